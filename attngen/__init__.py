@@ -1,0 +1,42 @@
+"""attngen: a compiler for attention kernels.
+
+    kern = attngen.compile("specs/causal.attn")   # a path, or spec text
+    o = kern(q, k, v)                               # autograd works
+    ref = attngen.reference(kern.spec, q, k, v)     # the naive, materialized reference
+
+Importing attngen does not import Triton: set TRITON_INTERPRET=1 before the first kernel call to run on CPU.
+"""
+__version__ = "0.1.0"
+
+from .errors import AttngenError, InputError, PlanError, SpecError, SpecSyntaxError  # noqa: E402
+
+
+def __getattr__(name):
+    # Heavy pieces (torch, triton) load on first use, so `import attngen` stays cheap and the CLI can set
+    # TRITON_INTERPRET before Triton is imported.
+    if name in ("compile", "Kernel"):
+        from . import runtime
+
+        return getattr(runtime, name)
+    if name == "reference":
+        from .naive import reference
+
+        return reference
+    if name in ("load_spec", "parse_spec"):
+        from .check import load_spec
+
+        return load_spec
+    raise AttributeError(f"module 'attngen' has no attribute {name!r}")
+
+
+__all__ = [
+    "AttngenError",
+    "InputError",
+    "PlanError",
+    "SpecError",
+    "SpecSyntaxError",
+    "compile",
+    "Kernel",
+    "reference",
+    "load_spec",
+]

@@ -1,0 +1,36 @@
+"""Canonical text of a Spec, printed from the IR: what generated headers show and cache keys hash."""
+from __future__ import annotations
+
+import hashlib
+
+from .expr import format_expr
+from .spec import Spec
+
+
+def format_spec(spec: Spec) -> str:
+    lines = [f"attention {spec.name} {{", f"    head_dim = {spec.head_dim}", f"    dtype = {spec.dtype.value}"]
+    lines.append(f"    scale = {'auto' if spec.scale is None else repr(spec.scale)}")
+    if spec.mask is not None:
+        lines.append(f"    mask = {format_expr(spec.mask)}")
+    if spec.score is not None:
+        lines.append(f"    score = {format_expr(spec.score)}")
+    if spec.dropout:
+        lines.append(f"    dropout = {spec.dropout!r}")
+    if spec.sparsity is not None:
+        sp = spec.sparsity if isinstance(spec.sparsity, str) else format_expr(spec.sparsity)
+        lines.append(f"    sparsity = {sp}")
+        lines.append(f"    sparse_block = {spec.sparse_block}")
+    lines.append(f"    loop_order = {spec.loop_order.value}")
+    lines.append(f"    target = {spec.target}")
+    for key in ("block_m", "block_n"):
+        val = getattr(spec, key)
+        if val is not None:
+            lines.append(f"    {key} = {val}")
+    for decl in spec.inputs:
+        lines.append(f"    input {decl.name}: {decl.dtype}[{', '.join(str(d) for d in decl.dims)}]")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def spec_hash(spec: Spec) -> str:
+    return hashlib.sha256(format_spec(spec).encode()).hexdigest()

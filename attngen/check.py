@@ -1,0 +1,190 @@
+"""Semantic checks: a ParsedSpec becomes a validated, frozen Spec, or SpecError at the offending span."""
+from __future__ import annotations
+
+import difflib
+import keyword
+import re
+
+from . import expr as ex
+from .errors import SpecError
+from .spec import Const, DType, Expr, InputDecl, INPUT_DTYPES, LoopOrder, Spec, Type, Unary, Var
+from .syntax import ParsedSpec, Setting, parse
+from .targets import TARGETS
+
+SETTINGS = (
+    "head_dim",
+    "dtype",
+    "scale",
+    "mask",
+    "score",
+    "dropout",
+    "sparsity",
+    "sparse_block",
+    "loop_order",
+    "target",
+    "block_m",
+    "block_n",
+)
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+# Names an input may not take: language words, kernel arguments and the call's own keywords.
+RESERVED = (
+    set(keyword.kwlist)
+    | set(ex.VAR_TYPES)
+    | set(ex.FUNCTIONS)
+    | {"true", "false", "True", "False", "input", "attention", "auto", "none", "runtime"}
+    | {"q", "k", "v", "o", "do", "lse", "return_lse", "dropout_p", "seed", "block_mask", "tl", "triton", "torch"}
+)
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _names(options) -> str:
+    return ", ".join(options)
+
+
+def _number(s: Setting) -> float | int | None:
+    """The value of a numeric literal (possibly negated), or None."""
+    v = s.value
+    if isinstance(v, Unary) and v.op == "-" and isinstance(v.operand, Const) and v.operand.type is not Type.BOOL:
+        return -v.operand.value
+    if isinstance(v, Const) and v.type is not Type.BOOL:
+        return v.value
+    return None
+
+
+def _word(s: Setting) -> str | None:
+    return s.value.name if isinstance(s.value, Var) else None
+
+
+def _int_setting(s: Setting, lo: int, hi: int, *, allow_auto: bool = False, power_of_two: bool = False) -> int | None:
+    if allow_auto and _word(s) == "auto":
+        return None
+    n = _number(s)
+    if not isinstance(n, int):
+        want = f"an integer in {lo}..{hi}" + (" or auto" if allow_auto else "")
+        raise SpecError(f"{s.key} must be {want}", s.value.span)
+    if not lo <= n <= hi:
+        raise SpecError(f"{s.key} = {n} is out of range; expected {lo}..{hi}", s.value.span)
+    if power_of_two and n & (n - 1):
+        raise SpecError(f"{s.key} = {n} must be a power of two (Triton's tl.arange needs one)", s.value.span)
+    return n
+
+
+def _choice(s: Setting, options: tuple[str, ...]) -> str:
+    w = _word(s)
+    if w not in options:
+        got = f" {w!r}" if w else ""
+        raise SpecError(f"{s.key} must be one of: {_names(options)}; got{got or ' an expression'}" + (_suggest(w, options) if w else ""), s.value.span)
+    return w
+
+
+def _check_input(decl: InputDecl, dtype_span) -> None:
+    if not _IDENT.match(decl.name) or decl.name in RESERVED:
+        raise SpecError(f"{decl.name!r} cannot name an input (reserved word or not an identifier)", decl.span)
+    if decl.dtype not in INPUT_DTYPES:
+        raise SpecError(f"input element type must be one of: {_names(INPUT_DTYPES)}; got {decl.dtype!r}" + _suggest(decl.dtype, INPUT_DTYPES), dtype_span)
+    for d in decl.dims:
+        if isinstance(d, int) and d <= 0:
+            raise SpecError(f"dimension sizes of {decl.name!r} must be positive, got {d}", decl.span)
+        if isinstance(d, str) and not _IDENT.match(d):
+            raise SpecError(f"bad dimension name {d!r}", decl.span)
+
+
+def _expression(s: Setting, scope: ex.Scope, want: Type) -> Expr:
+    t = ex.typeof(s.value, scope)
+    if want is Type.BOOL and t is not Type.BOOL:
+        raise SpecError(f"{s.key} must be a boolean expression (e.g. q_idx >= kv_idx), got {t.value}", s.value.span)
+    if want is Type.FLOAT and t is Type.BOOL:
+        raise SpecError(f"{s.key} must be a number expression of `score`, got bool", s.value.span)
+    return ex.fold(s.value, scope)
+
+
+def build(parsed: ParsedSpec, text: str | None = None, filename: str | None = None) -> Spec:
+    """Interpret and validate every setting. Errors carry the span of the offending value."""
+    try:
+        return _build(parsed, text, filename)
+    except SpecError as err:
+        raise err.with_source(text, filename) if text is not None else err
+
+
+def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
+    if not _IDENT.match(parsed.name):
+        raise SpecError(f"bad attention name {parsed.name!r}", parsed.name_span)
+    seen: dict[str, Setting] = {}
+    for s in parsed.settings:
+        if s.key not in SETTINGS:
+            raise SpecError(f"unknown setting {s.key!r}{_suggest(s.key, SETTINGS)} (settings: {_names(SETTINGS)})", s.key_span)
+        if s.key in seen:
+            first = seen[s.key].key_span
+            raise SpecError(f"{s.key} is set twice (first at line {first.line})", s.key_span)
+        seen[s.key] = s
+
+    inputs: dict[str, InputDecl] = {}
+    for decl, dtype_span in ((d, None) for d in parsed.inputs):
+        _check_input(decl, dtype_span or decl.span)
+        if decl.name in inputs:
+            raise SpecError(f"input {decl.name!r} is declared twice", decl.span)
+        inputs[decl.name] = decl
+
+    if "head_dim" not in seen:
+        raise SpecError("head_dim is required (an integer in 16..256), e.g. `head_dim = 128`", parsed.name_span)
+    values: dict = {"head_dim": _int_setting(seen["head_dim"], 16, 256)}
+
+    if "dtype" in seen:
+        values["dtype"] = DType(_choice(seen["dtype"], tuple(d.value for d in DType)))
+    if "scale" in seen:
+        s = seen["scale"]
+        if _word(s) != "auto":
+            n = _number(s)
+            if n is None or not (0 < float(n) < float("inf")):
+                raise SpecError("scale must be a positive number or auto (1/sqrt(head_dim))", s.value.span)
+            values["scale"] = float(n)
+    if "dropout" in seen:
+        s = seen["dropout"]
+        n = _number(s)
+        if n is None or not 0.0 <= float(n) < 1.0:
+            raise SpecError("dropout must be a probability in [0, 1)", s.value.span)
+        values["dropout"] = float(n)
+    if "sparse_block" in seen:
+        values["sparse_block"] = _int_setting(seen["sparse_block"], 16, 1 << 16, power_of_two=True)
+    if "loop_order" in seen:
+        values["loop_order"] = LoopOrder(_choice(seen["loop_order"], tuple(o.value for o in LoopOrder)))
+    if "target" in seen:
+        values["target"] = _choice(seen["target"], ("auto",) + tuple(TARGETS))
+    for key in ("block_m", "block_n"):
+        if key in seen:
+            values[key] = _int_setting(seen[key], 16, 256, allow_auto=True, power_of_two=True)
+
+    if "mask" in seen:
+        scope = ex.Scope("mask", ex.MASK_VARS, inputs)
+        mask = _expression(seen["mask"], scope, Type.BOOL)
+        values["mask"] = None if mask == Const(True, Type.BOOL) else mask
+    if "score" in seen:
+        scope = ex.Scope("score", ex.SCORE_VARS, inputs)
+        score = _expression(seen["score"], scope, Type.FLOAT)
+        if ex.typeof(score, scope) is Type.INT:
+            raise SpecError("score must be a float expression; an integer score makes every key equal or unrelated to q.k", seen["score"].value.span)
+        values["score"] = None if score == Var("score") else score
+    if "sparsity" in seen:
+        s = seen["sparsity"]
+        w = _word(s)
+        if w == "none":
+            pass
+        elif w == "runtime":
+            values["sparsity"] = "runtime"
+        else:
+            scope = ex.Scope("sparsity", ex.SPARSITY_VARS, {})
+            sp = _expression(s, scope, Type.BOOL)
+            values["sparsity"] = None if sp == Const(True, Type.BOOL) else sp
+
+    spans = tuple((k, s.value.span) for k, s in seen.items())
+    return Spec(name=parsed.name, inputs=tuple(inputs.values()), text=text, filename=filename, spans=spans, **values)
+
+
+def load_spec(text: str, filename: str | None = None) -> Spec:
+    """Parse and check spec text."""
+    return build(parse(text, filename), text, filename)

@@ -1,0 +1,646 @@
+"""The expression IR: typing, constant folding, differentiation, printing, and lowering to Triton.
+
+This is the only module that turns spec expressions into code text. It works from the AST nodes of
+spec.py, never from spec strings: names in the output are either fixed kernel variables (`q_idx`,
+`kv_idx`, ...), validated input identifiers, or temporaries it makes up; literals are printed from
+Python numbers with `repr`, which cannot produce anything but a number.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import SpecError
+from .spec import ARITH_OPS, COMPARE_OPS, Binary, Call, Const, Expr, Index, InputDecl, Type, Unary, Var
+
+# Variables of the language, with their type. Which ones an expression may use depends on the setting.
+INDEX_VARS = ("b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
+MASK_VARS = frozenset(INDEX_VARS)
+SCORE_VARS = frozenset(INDEX_VARS + ("score",))
+SPARSITY_VARS = frozenset(("b", "h", "q_len", "kv_len", "q_blk", "kv_blk"))
+VAR_TYPES = {name: Type.INT for name in INDEX_VARS + ("q_blk", "kv_blk")} | {"score": Type.FLOAT}
+
+# name -> (min args, max args or None for "any")
+FUNCTIONS = {
+    "min": (2, None),
+    "max": (2, None),
+    "abs": (1, 1),
+    "where": (3, 3),
+    "exp": (1, 1),
+    "log": (1, 1),
+    "tanh": (1, 1),
+    "sqrt": (1, 1),
+    "sigmoid": (1, 1),
+}
+FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt", "sigmoid")
+
+INT32_MAX = 2**31 - 1
+
+
+# ---- typing ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scope:
+    """What an expression may refer to: variables of its setting and the declared inputs."""
+
+    setting: str  # "mask" | "score" | "sparsity", for messages
+    variables: frozenset[str]
+    inputs: dict[str, InputDecl] = field(default_factory=dict)
+
+
+def _is_number(t: Type) -> bool:
+    return t in (Type.INT, Type.FLOAT)
+
+
+def _promote(a: Type, b: Type) -> Type:
+    return Type.INT if a is Type.INT and b is Type.INT else Type.FLOAT
+
+
+def typeof(e: Expr, scope: Scope) -> Type:
+    """The type of `e`, or SpecError at the first node that is wrong (with its span)."""
+    if isinstance(e, Const):
+        if e.type is Type.FLOAT and not math.isfinite(e.value):
+            raise SpecError(f"number {e.value!r} is not finite", e.span)
+        if e.type is Type.INT and abs(e.value) > INT32_MAX:
+            raise SpecError(f"integer {e.value} does not fit in 32 bits", e.span)
+        return e.type
+    if isinstance(e, Var):
+        if e.name in scope.variables:
+            return VAR_TYPES[e.name]
+        if e.name in scope.inputs:
+            raise SpecError(f"input {e.name!r} is a tensor: index it, e.g. {e.name}[b, q_idx]", e.span)
+        if e.name in VAR_TYPES:
+            raise SpecError(
+                f"{e.name!r} cannot be used in {scope.setting}; available here: {', '.join(sorted(scope.variables))}",
+                e.span,
+            )
+        raise SpecError(
+            f"unknown name {e.name!r} in {scope.setting}; expected one of: "
+            f"{', '.join(sorted(scope.variables | set(scope.inputs)))}",
+            e.span,
+        )
+    if isinstance(e, Index):
+        decl = scope.inputs.get(e.input)
+        if decl is None:
+            known = ", ".join(sorted(scope.inputs)) or "none declared"
+            raise SpecError(f"{e.input!r} is not a declared input (inputs: {known}); declare it with `input {e.input}: int32[B, N]`", e.span)
+        if len(e.indices) != len(decl.dims):
+            raise SpecError(f"input {e.input!r} has {len(decl.dims)} dimension(s), indexed with {len(e.indices)}", e.span)
+        for idx in e.indices:
+            if typeof(idx, scope) is not Type.INT:
+                raise SpecError(f"indices of {e.input!r} must be integers", idx.span)
+        return decl.type
+    if isinstance(e, Unary):
+        t = typeof(e.operand, scope)
+        if e.op == "not":
+            if t is not Type.BOOL:
+                raise SpecError(f"`not` needs a boolean, got {t.value}", e.span)
+            return Type.BOOL
+        if not _is_number(t):
+            raise SpecError(f"unary `-` needs a number, got {t.value}", e.span)
+        return t
+    if isinstance(e, Binary):
+        lt, rt = typeof(e.lhs, scope), typeof(e.rhs, scope)
+        if e.op in ("and", "or"):
+            for side, t in ((e.lhs, lt), (e.rhs, rt)):
+                if t is not Type.BOOL:
+                    raise SpecError(f"`{e.op}` needs booleans, got {t.value} (did you mean a comparison?)", side.span)
+            return Type.BOOL
+        if e.op in COMPARE_OPS:
+            if _is_number(lt) and _is_number(rt):
+                return Type.BOOL
+            if lt is Type.BOOL and rt is Type.BOOL and e.op in ("==", "!="):
+                return Type.BOOL
+            raise SpecError(f"cannot compare {lt.value} {e.op} {rt.value}", e.span)
+        assert e.op in ARITH_OPS, e.op
+        for side, t in ((e.lhs, lt), (e.rhs, rt)):
+            if not _is_number(t):
+                raise SpecError(f"`{e.op}` needs numbers, got {t.value}", side.span)
+        if e.op == "/":
+            return Type.FLOAT
+        return _promote(lt, rt)
+    if isinstance(e, Call):
+        if e.func not in FUNCTIONS:
+            raise SpecError(f"unknown function {e.func!r}; expected one of: {', '.join(FUNCTIONS)}", e.span)
+        lo, hi = FUNCTIONS[e.func]
+        n = len(e.args)
+        if n < lo or (hi is not None and n > hi):
+            want = f"{lo}" if lo == hi else f"at least {lo}"
+            raise SpecError(f"{e.func}() takes {want} argument(s), got {n}", e.span)
+        types = [typeof(a, scope) for a in e.args]
+        if e.func == "where":
+            if types[0] is not Type.BOOL:
+                raise SpecError(f"where()'s first argument must be boolean, got {types[0].value}", e.args[0].span)
+            if types[1] is Type.BOOL and types[2] is Type.BOOL:
+                return Type.BOOL
+            if _is_number(types[1]) and _is_number(types[2]):
+                return _promote(types[1], types[2])
+            raise SpecError(f"where()'s branches must both be numbers or both booleans, got {types[1].value} and {types[2].value}", e.span)
+        for a, t in zip(e.args, types):
+            if not _is_number(t):
+                raise SpecError(f"{e.func}() needs numbers, got {t.value}", a.span)
+        if e.func in FLOAT_FUNCTIONS:
+            return Type.FLOAT
+        out = types[0]
+        for t in types[1:]:
+            out = _promote(out, t)
+        return out
+    raise TypeError(f"not an expression node: {e!r}")  # internal
+
+
+def variables(e: Expr) -> frozenset[str]:
+    """Variables and inputs an expression refers to."""
+    if isinstance(e, Var):
+        return frozenset((e.name,))
+    if isinstance(e, Index):
+        out = frozenset((e.input,))
+        for i in e.indices:
+            out |= variables(i)
+        return out
+    return frozenset().union(*(variables(c) for c in children(e))) if children(e) else frozenset()
+
+
+def children(e: Expr) -> tuple[Expr, ...]:
+    if isinstance(e, Unary):
+        return (e.operand,)
+    if isinstance(e, Binary):
+        return (e.lhs, e.rhs)
+    if isinstance(e, Call):
+        return e.args
+    if isinstance(e, Index):
+        return e.indices
+    return ()
+
+
+def substitute(e: Expr, mapping: dict[str, Expr]) -> Expr:
+    """Replace variables by expressions (used to express q_blk as q_idx // sparse_block)."""
+    if isinstance(e, Var):
+        return mapping.get(e.name, e)
+    if isinstance(e, Unary):
+        return Unary(e.op, substitute(e.operand, mapping), span=e.span)
+    if isinstance(e, Binary):
+        return Binary(e.op, substitute(e.lhs, mapping), substitute(e.rhs, mapping), span=e.span)
+    if isinstance(e, Call):
+        return Call(e.func, tuple(substitute(a, mapping) for a in e.args), span=e.span)
+    if isinstance(e, Index):
+        return Index(e.input, tuple(substitute(a, mapping) for a in e.indices), span=e.span)
+    return e
+
+
+# ---- constant folding -----------------------------------------------------------------------------
+def _const(value, t: Type) -> Const:
+    if t is Type.FLOAT:
+        return Const(float(value), Type.FLOAT)
+    if t is Type.INT:
+        return Const(int(value), Type.INT)
+    return Const(bool(value), Type.BOOL)
+
+
+def _floordiv(a, b):
+    return a // b if not (isinstance(a, float) or isinstance(b, float)) else float(math.floor(a / b))
+
+
+def _pymod(a, b):
+    return a % b
+
+
+_FOLD_BINARY = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: a / b,
+    "//": _floordiv,
+    "%": _pymod,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    "and": lambda a, b: a and b,
+    "or": lambda a, b: a or b,
+}
+
+_FOLD_CALL = {
+    "min": min,
+    "max": max,
+    "abs": abs,
+    "exp": math.exp,
+    "log": math.log,
+    "tanh": math.tanh,
+    "sqrt": math.sqrt,
+    "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)),
+}
+
+
+def _is_const(e: Expr, value=None) -> bool:
+    return isinstance(e, Const) and (value is None or (e.type is not Type.BOOL and e.value == value))
+
+
+def fold(e: Expr, scope: Scope) -> Expr:
+    """Constant-fold `e` and apply identities that keep its type and value (x*1, x+0, true and x, ...).
+
+    Folding never changes meaning: operations that would fail at fold time (log of a negative
+    constant, division by zero) are left as they are.
+    """
+    t = typeof(e, scope)
+    if isinstance(e, Unary):
+        a = fold(e.operand, scope)
+        if isinstance(a, Const):
+            return _const((not a.value) if e.op == "not" else -a.value, t)
+        if isinstance(a, Unary) and a.op == e.op:
+            return a.operand
+        return Unary(e.op, a, span=e.span)
+    if isinstance(e, Binary):
+        a, b = fold(e.lhs, scope), fold(e.rhs, scope)
+        if isinstance(a, Const) and isinstance(b, Const):
+            try:
+                return _const(_FOLD_BINARY[e.op](a.value, b.value), t)
+            except (ZeroDivisionError, OverflowError, ValueError):
+                pass
+        if e.op == "and":
+            for x, y in ((a, b), (b, a)):
+                if isinstance(x, Const):
+                    return y if x.value else _const(False, Type.BOOL)
+        if e.op == "or":
+            for x, y in ((a, b), (b, a)):
+                if isinstance(x, Const):
+                    return _const(True, Type.BOOL) if x.value else y
+        # Arithmetic identities are applied only where they keep the type (int + 0.0 is a float).
+        same_type = lambda x: typeof(x, scope) is t  # noqa: E731
+        if e.op == "+":
+            if _is_const(a, 0) and same_type(b):
+                return b
+            if _is_const(b, 0) and same_type(a):
+                return a
+        if e.op == "-":
+            if _is_const(b, 0) and same_type(a):
+                return a
+            if _is_const(a, 0) and same_type(b):
+                return Unary("-", b)
+        if e.op == "*":
+            if _is_const(a, 1) and same_type(b):
+                return b
+            if _is_const(b, 1) and same_type(a):
+                return a
+        if e.op == "/" and _is_const(b, 1) and same_type(a):
+            return a
+        # x * 0 and 0 / x are 0 for the finite values these expressions take; this is what makes the
+        # derivative of a term that does not involve `score` vanish.
+        if t is Type.FLOAT and ((e.op == "*" and (_is_const(a, 0) or _is_const(b, 0))) or (e.op == "/" and _is_const(a, 0))):
+            return _const(0.0, Type.FLOAT)
+        return Binary(e.op, a, b, span=e.span)
+    if isinstance(e, Call):
+        args = tuple(fold(x, scope) for x in e.args)
+        if e.func == "where" and isinstance(args[0], Const):
+            chosen = args[1] if args[0].value else args[2]
+            if typeof(chosen, scope) is t:
+                return chosen
+        if all(isinstance(x, Const) for x in args) and e.func in _FOLD_CALL:
+            try:
+                return _const(_FOLD_CALL[e.func](*(x.value for x in args)), t)
+            except (ValueError, OverflowError):
+                pass
+        return Call(e.func, args, span=e.span)
+    if isinstance(e, Index):
+        return Index(e.input, tuple(fold(x, scope) for x in e.indices), span=e.span)
+    return e
+
+
+# ---- differentiation with respect to `score` ------------------------------------------------------
+ZERO = Const(0.0, Type.FLOAT)
+ONE = Const(1.0, Type.FLOAT)
+
+
+def derivative(e: Expr, scope: Scope, wrt: str = "score") -> Expr:
+    """d e / d wrt as a float expression, folded. Used for the backward of a score modification.
+
+    Conventions where the function has no derivative: floor division and `%` treat the quotient as
+    piecewise constant; abs'(0) = 0; at ties, min/max take the gradient of the first argument.
+    """
+    return fold(_d(e, scope, wrt), scope)
+
+
+def _d(e: Expr, scope: Scope, wrt: str) -> Expr:
+    if wrt not in variables(e) or typeof(e, scope) is Type.BOOL:
+        return ZERO
+    if isinstance(e, Var):
+        return ONE if e.name == wrt else ZERO
+    if isinstance(e, (Const, Index)):
+        return ZERO
+    if isinstance(e, Unary):  # "-" (a "not" is boolean, handled above)
+        return Unary("-", _d(e.operand, scope, wrt))
+    if isinstance(e, Binary):
+        a, b = e.lhs, e.rhs
+        da, db = _d(a, scope, wrt), _d(b, scope, wrt)
+        if e.op == "+":
+            return Binary("+", da, db)
+        if e.op == "-":
+            return Binary("-", da, db)
+        if e.op == "*":
+            return Binary("+", Binary("*", da, b), Binary("*", a, db))
+        if e.op == "/":
+            # (da*b - a*db) / b^2, written so that db == 0 folds to da / b
+            return Binary("-", Binary("/", da, b), Binary("/", Binary("*", a, db), Binary("*", b, b)))
+        if e.op == "//":
+            return ZERO
+        if e.op == "%":  # a % b = a - floor(a / b) * b
+            return Binary("-", da, Binary("*", Binary("//", a, b), db))
+    if isinstance(e, Call):
+        args = e.args
+        if e.func == "where":
+            return Call("where", (args[0], _d(args[1], scope, wrt), _d(args[2], scope, wrt)))
+        if e.func in ("min", "max"):
+            # fold n-ary into nested binary choices: pick the derivative of the winning argument
+            best, dbest = args[0], _d(args[0], scope, wrt)
+            cmp = "<=" if e.func == "min" else ">="
+            for x in args[1:]:
+                dx = _d(x, scope, wrt)
+                dbest = Call("where", (Binary(cmp, best, x), dbest, dx))
+                best = Call(e.func, (best, x))
+            return dbest
+        (a,) = args
+        da = _d(a, scope, wrt)
+        if e.func == "abs":
+            sign = Call("where", (Binary(">", a, ZERO), ONE, Call("where", (Binary("<", a, ZERO), Const(-1.0, Type.FLOAT), ZERO))))
+            return Binary("*", sign, da)
+        if e.func == "exp":
+            return Binary("*", e, da)
+        if e.func == "log":
+            return Binary("/", da, a)
+        if e.func == "tanh":
+            return Binary("*", Binary("-", ONE, Binary("*", e, e)), da)
+        if e.func == "sqrt":
+            return Binary("/", da, Binary("*", Const(2.0, Type.FLOAT), e))
+        if e.func == "sigmoid":
+            return Binary("*", Binary("*", e, Binary("-", ONE, e)), da)
+    raise TypeError(f"cannot differentiate {e!r}")  # internal
+
+
+# ---- printing in the spec language ----------------------------------------------------------------
+# Binding strength of the .attn language's operators (higher binds tighter).
+_SPEC_PREC = {"or": 1, "and": 2, "not": 3, **{op: 4 for op in COMPARE_OPS}, "+": 5, "-": 5, "*": 6, "/": 6, "//": 6, "%": 6}
+_ATOM = 10
+
+
+def format_expr(e: Expr) -> str:
+    """Canonical .attn text of an expression (used in generated headers and cache keys)."""
+    return _fmt(e)[0]
+
+
+def _fmt(e: Expr) -> tuple[str, int]:
+    if isinstance(e, Const):
+        if e.type is Type.BOOL:
+            return ("true" if e.value else "false"), _ATOM
+        if e.value < 0:
+            return repr(e.value), 7
+        return repr(e.value), _ATOM
+    if isinstance(e, Var):
+        return e.name, _ATOM
+    if isinstance(e, Index):
+        return f"{e.input}[{', '.join(format_expr(i) for i in e.indices)}]", _ATOM
+    if isinstance(e, Call):
+        return f"{e.func}({', '.join(format_expr(a) for a in e.args)})", _ATOM
+    if isinstance(e, Unary):
+        if e.op == "not":
+            inner, p = _fmt(e.operand)
+            return f"not {inner if p >= 3 else '(' + inner + ')'}", 3
+        inner, p = _fmt(e.operand)
+        return f"-{inner if p >= 7 else '(' + inner + ')'}", 7
+    if isinstance(e, Binary):
+        prec = _SPEC_PREC[e.op]
+        lhs, lp = _fmt(e.lhs)
+        rhs, rp = _fmt(e.rhs)
+        chain = e.op in COMPARE_OPS  # comparisons do not chain: both sides need parentheses at equal strength
+        lhs = lhs if lp > prec or (lp == prec and not chain) else f"({lhs})"
+        rhs = rhs if rp > prec else f"({rhs})"
+        return f"{lhs} {e.op} {rhs}", prec
+    raise TypeError(e)
+
+
+# ---- sign analysis (lets `//` and `%` use the fast truncating operators) ---------------------------
+_NONNEG_VARS = frozenset(INDEX_VARS + ("q_blk", "kv_blk"))
+
+
+def nonnegative(e: Expr) -> bool:
+    """True only if `e` is provably >= 0 for every valid index (a sound, simple sign analysis)."""
+    if isinstance(e, Const):
+        return e.type is not Type.BOOL and e.value >= 0
+    if isinstance(e, Var):
+        return e.name in _NONNEG_VARS
+    if isinstance(e, Binary) and e.op in ("+", "*", "//", "%", "/"):
+        return nonnegative(e.lhs) and nonnegative(e.rhs)
+    if isinstance(e, Call):
+        if e.func == "abs" or e.func in ("exp", "sqrt", "sigmoid"):
+            return True
+        if e.func in ("min", "max"):
+            return all(nonnegative(a) for a in e.args)
+        if e.func == "where":
+            return nonnegative(e.args[1]) and nonnegative(e.args[2])
+    return False
+
+
+def _positive_const(e: Expr) -> bool:
+    return isinstance(e, Const) and e.type is Type.INT and e.value > 0
+
+
+# ---- lowering to Triton -----------------------------------------------------------------------------
+# Python operator precedence of the generated code (higher binds tighter).
+_PY_PREC = {"|": 3, "&": 5, "cmp": 2, "+": 7, "-": 7, "*": 8, "/": 8, "//": 8, "%": 8}
+_PY_UNARY = 9
+_PY_ATOM = 10
+
+# Helper functions a lowering may need; the template emits the ones used, from this table.
+HELPERS = {
+    "_floordiv": (
+        "@triton.jit\n"
+        "def _floordiv(a, b):\n"
+        '    """Python\'s a // b (rounds toward -inf) for integers of any sign."""\n'
+        "    q = a // b\n"
+        "    r = a % b\n"
+        "    return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)\n"
+    ),
+    "_mod": (
+        "@triton.jit\n"
+        "def _mod(a, b):\n"
+        '    """Python\'s a % b (the sign of b) for integers of any sign."""\n'
+        "    r = a % b\n"
+        "    return r + b * ((r != 0) & ((r < 0) != (b < 0))).to(r.dtype)\n"
+    ),
+    "_tanh": (
+        "@triton.jit\n"
+        "def _tanh(x):\n"
+        '    """tanh through exp2, stable for large |x| (runs in the interpreter too, unlike libdevice)."""\n'
+        "    t = tl.math.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)\n"
+        "    y = (1.0 - t) / (1.0 + t)\n"
+        "    return tl.where(x < 0, -y, y)\n"
+    ),
+}
+
+
+@dataclass
+class Lowered:
+    """Code for one or more expressions: statements to run once per outer tile, per inner tile, and the expressions."""
+
+    outer: list[str]
+    inner: list[str]
+    exprs: list[str]
+
+
+class InputAccess:
+    """How kernel code reads an element of a declared input: pointer, strides and sizes named in_<name>_*."""
+
+    def __init__(self, decl: InputDecl):
+        self.decl = decl
+
+    def load(self, indices: list[tuple[str, bool]]) -> str:
+        """A masked load; `indices` are (code, provably non-negative). Reads outside the tensor give 0."""
+        n = self.decl.name
+        offset = " + ".join(f"{c} * in_{n}_stride_{i}" for i, (c, _) in enumerate(indices))
+        bounds = []
+        for i, (c, nonneg) in enumerate(indices):
+            if not nonneg:
+                bounds.append(f"({c} >= 0)")
+            bounds.append(f"({c} < in_{n}_size_{i})")
+        return f"tl.load(in_{n}_ptr + {offset}, mask={' & '.join(bounds)}, other=0)"
+
+
+class Lowerer:
+    """Turns typed expressions into Triton expressions.
+
+    `var_code` maps language variables to kernel variables; `inner_vars` are the ones that change in
+    the kernel's inner loop. Input loads and transcendental calls become named temporaries (each
+    computed once, even when the score and its derivative both use it); those that depend on no
+    inner variable are placed before the loop.
+    """
+
+    def __init__(self, scope: Scope, var_code: dict[str, str], inner_vars: frozenset[str], prefix: str = ""):
+        self.scope = scope
+        self.var_code = var_code
+        self.inner_vars = inner_vars
+        self.prefix = prefix
+        self.helpers: set[str] = set()
+        self._temps: dict[Expr, tuple[str, bool]] = {}
+        self._counter = 0
+        self.outer: list[str] = []
+        self.inner: list[str] = []
+
+    def lower_all(self, exprs: list[Expr]) -> Lowered:
+        codes = [self.lower(e) for e in exprs]
+        return Lowered(self.outer, self.inner, codes)
+
+    def lower(self, e: Expr, want: Type | None = None) -> str:
+        code, _ = self._lower(e)
+        t = typeof(e, self.scope)
+        if want is Type.FLOAT and t is Type.INT:
+            return self._to_float(e, code, _PY_ATOM)[0]
+        return code
+
+    # -- helpers
+    def _is_inner(self, e: Expr) -> bool:
+        if any(v in self.inner_vars for v in variables(e)):
+            return True
+        return any(self._temps.get(c, ("", False))[1] for c in children(e))
+
+    def _temp(self, e: Expr, stem: str, code: str) -> tuple[str, int]:
+        if e in self._temps:
+            return self._temps[e][0], _PY_ATOM
+        name = f"{self.prefix}{stem}_{self._counter}"
+        self._counter += 1
+        inner = self._is_inner(e)
+        (self.inner if inner else self.outer).append(f"{name} = {code}")
+        self._temps[e] = (name, inner)
+        return name, _PY_ATOM
+
+    def _paren(self, lowered: tuple[str, int], need: int) -> str:
+        code, prec = lowered
+        return code if prec >= need else f"({code})"
+
+    def _to_float(self, e: Expr, code: str, prec: int) -> tuple[str, int]:
+        if isinstance(e, Const):
+            return repr(float(e.value)), _PY_ATOM
+        return f"{self._paren((code, prec), _PY_ATOM)}.to(tl.float32)", _PY_ATOM
+
+    def _lower_as(self, e: Expr, t: Type) -> tuple[str, int]:
+        low = self._lower(e)
+        if t is Type.FLOAT and typeof(e, self.scope) is Type.INT:
+            return self._to_float(e, *low)
+        return low
+
+    def _lower(self, e: Expr) -> tuple[str, int]:
+        t = typeof(e, self.scope)
+        if isinstance(e, Const):
+            if e.type is Type.BOOL:
+                return ("True" if e.value else "False"), _PY_ATOM
+            if e.value < 0:
+                return repr(e.value), _PY_UNARY
+            return repr(e.value), _PY_ATOM
+        if isinstance(e, Var):
+            return self.var_code[e.name], _PY_ATOM
+        if isinstance(e, Index):
+            access = InputAccess(self.scope.inputs[e.input])
+            load = access.load([(self._paren(self._lower(i), _PY_ATOM), nonnegative(i)) for i in e.indices])
+            return self._temp(e, e.input, load)
+        if isinstance(e, Unary):
+            if e.op == "not":
+                return f"~{self._paren(self._lower(e.operand), _PY_UNARY)}", _PY_UNARY
+            return f"-{self._paren(self._lower(e.operand), _PY_UNARY)}", _PY_UNARY
+        if isinstance(e, Binary):
+            return self._lower_binary(e, t)
+        if isinstance(e, Call):
+            return self._lower_call(e, t)
+        raise TypeError(e)
+
+    def _lower_binary(self, e: Binary, t: Type) -> tuple[str, int]:
+        if e.op in ("and", "or"):
+            op = "&" if e.op == "and" else "|"
+            prec = _PY_PREC[op]
+            lhs = self._paren(self._lower(e.lhs), prec)
+            rhs = self._paren(self._lower(e.rhs), prec + 1)
+            return f"{lhs} {op} {rhs}", prec
+        if e.op in COMPARE_OPS:
+            lt, rt = typeof(e.lhs, self.scope), typeof(e.rhs, self.scope)
+            common = _promote(lt, rt) if _is_number(lt) and _is_number(rt) else lt
+            prec = _PY_PREC["cmp"]
+            lhs = self._paren(self._lower_as(e.lhs, common), prec + 1)
+            rhs = self._paren(self._lower_as(e.rhs, common), prec + 1)
+            return f"{lhs} {e.op} {rhs}", prec
+        operand_type = Type.FLOAT if e.op == "/" else t
+        if e.op in ("//", "%") and t is Type.INT:
+            if nonnegative(e.lhs) and _positive_const(e.rhs):
+                prec = _PY_PREC[e.op]  # both signs known: C's truncation equals Python's floor
+            else:
+                helper = "_floordiv" if e.op == "//" else "_mod"
+                self.helpers.add(helper)
+                return f"{helper}({self._lower(e.lhs)[0]}, {self._lower(e.rhs)[0]})", _PY_ATOM
+        if e.op in ("//", "%") and t is Type.FLOAT:
+            a = self._paren(self._lower_as(e.lhs, Type.FLOAT), _PY_PREC["/"])
+            b = self._paren(self._lower_as(e.rhs, Type.FLOAT), _PY_PREC["/"] + 1)
+            quotient = f"tl.math.floor({a} / {b})"
+            if e.op == "//":
+                return quotient, _PY_ATOM
+            return f"{a} - {quotient} * {b}", _PY_PREC["-"]
+        prec = _PY_PREC[e.op]
+        lhs = self._paren(self._lower_as(e.lhs, operand_type), prec)
+        rhs = self._paren(self._lower_as(e.rhs, operand_type), prec + 1)
+        return f"{lhs} {e.op} {rhs}", prec
+
+    def _lower_call(self, e: Call, t: Type) -> tuple[str, int]:
+        if e.func in ("min", "max"):
+            fn = "tl.minimum" if e.func == "min" else "tl.maximum"
+            code = self._lower_as(e.args[0], t)[0]
+            for a in e.args[1:]:
+                code = f"{fn}({code}, {self._lower_as(a, t)[0]})"
+            return code, _PY_ATOM
+        if e.func == "where":
+            cond = self._lower(e.args[0])[0]
+            a, b = (self._lower_as(x, t)[0] for x in e.args[1:])
+            return f"tl.where({cond}, {a}, {b})", _PY_ATOM
+        if e.func == "abs":
+            return f"tl.abs({self._lower(e.args[0])[0]})", _PY_ATOM
+        arg = self._lower_as(e.args[0], Type.FLOAT)[0]
+        if e.func == "tanh":
+            self.helpers.add("_tanh")
+            code = f"_tanh({arg})"
+        else:
+            code = f"tl.{e.func}({arg})"
+        return self._temp(e, e.func, code)

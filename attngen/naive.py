@@ -1,0 +1,140 @@
+"""The naive reference: scores materialized, the spec's expressions evaluated with torch, softmax, P @ V.
+
+Written from the Spec alone, independently of the templates and of expr.py's lowering, so that it can
+check them. By default it computes in float64 on CPU and float32 on GPU; `dtype=` gives the same-precision
+naive attention used by the tolerance rule (error budget relative to what plain PyTorch would get).
+"""
+from __future__ import annotations
+
+import torch
+
+from .expr import SCORE_VARS, Scope, typeof
+from .plan import effective_mask
+from .spec import Binary, Call, Const, Expr, Index, Spec, Type, Unary, Var
+
+
+def _eval(e: Expr, env: dict, inputs: dict, spec: Spec, fdtype: torch.dtype):
+    scope = Scope("score", SCORE_VARS, {i.name: i for i in spec.inputs})
+    if isinstance(e, Const):
+        return e.value
+    if isinstance(e, Var):
+        return env[e.name]
+    if isinstance(e, Index):
+        t = inputs[e.input]
+        idx = [torch.as_tensor(_eval(i, env, inputs, spec, fdtype), device=t.device).long() for i in e.indices]
+        idx = torch.broadcast_tensors(*idx)
+        valid = torch.ones_like(idx[0], dtype=torch.bool)
+        clamped = []
+        for dim, i in enumerate(idx):
+            valid &= (i >= 0) & (i < t.shape[dim])
+            clamped.append(i.clamp(0, t.shape[dim] - 1))
+        val = t[tuple(clamped)]
+        if val.dtype.is_floating_point:
+            val = val.to(fdtype)
+        return torch.where(valid, val, torch.zeros((), dtype=val.dtype, device=val.device))  # outside the tensor: 0
+    if isinstance(e, Unary):
+        a = _eval(e.operand, env, inputs, spec, fdtype)
+        if e.op == "not":
+            return ~a if torch.is_tensor(a) else not a
+        return -a
+    if isinstance(e, Binary):
+        a = _eval(e.lhs, env, inputs, spec, fdtype)
+        b = _eval(e.rhs, env, inputs, spec, fdtype)
+        op = e.op
+        if op == "and":
+            return torch.as_tensor(a) & torch.as_tensor(b)
+        if op == "or":
+            return torch.as_tensor(a) | torch.as_tensor(b)
+        if op == "/":
+            a, b = torch.as_tensor(a, dtype=fdtype) if not torch.is_tensor(a) else a.to(fdtype), b
+            return a / (b.to(fdtype) if torch.is_tensor(b) else float(b))
+        if op in ("//", "%"):
+            is_int = typeof(e, scope) is Type.INT
+            ta, tb = torch.as_tensor(a), torch.as_tensor(b)
+            if not is_int:
+                ta, tb = ta.to(fdtype), tb.to(fdtype)
+            q = torch.div(ta, tb, rounding_mode="floor")
+            return q if op == "//" else ta - q * tb  # Python semantics: floor, remainder with the divisor's sign
+        return {
+            "+": lambda: a + b,
+            "-": lambda: a - b,
+            "*": lambda: a * b,
+            "<": lambda: a < b,
+            "<=": lambda: a <= b,
+            ">": lambda: a > b,
+            ">=": lambda: a >= b,
+            "==": lambda: a == b,
+            "!=": lambda: a != b,
+        }[op]()
+    if isinstance(e, Call):
+        args = [_eval(a, env, inputs, spec, fdtype) for a in e.args]
+        if e.func == "where":
+            c, x, y = (torch.as_tensor(a) for a in args)
+            if x.dtype.is_floating_point or y.dtype.is_floating_point:
+                x, y = x.to(fdtype), y.to(fdtype)
+            return torch.where(c, x, y)
+        if e.func in ("min", "max"):
+            out = torch.as_tensor(args[0])
+            for x in args[1:]:
+                x = torch.as_tensor(x)
+                if out.dtype.is_floating_point or x.dtype.is_floating_point:
+                    out, x = out.to(fdtype), x.to(fdtype)
+                out = torch.minimum(out, x) if e.func == "min" else torch.maximum(out, x)
+            return out
+        a = torch.as_tensor(args[0])
+        if e.func == "abs":
+            return a.abs()
+        a = a.to(fdtype)
+        return {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt, "sigmoid": torch.sigmoid}[e.func](a)
+    raise TypeError(e)
+
+
+def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype: torch.dtype | None = None,
+              return_lse: bool = False, **inputs: torch.Tensor):
+    """Naive attention for `spec` (a Spec or a compiled kernel). Differentiable with torch autograd.
+
+    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D). Computes in `dtype` (default: float64 on CPU, float32 on
+    CUDA) and returns the output in that dtype, plus the row log-sum-exp (natural log, -inf for a row that
+    keeps no key) when return_lse. Rows that keep no key give 0.
+    """
+    spec = getattr(spec, "spec", spec)
+    if dtype is None:
+        dtype = torch.float64 if q.device.type == "cpu" else torch.float32
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
+    if group > 1:
+        kf = kf.repeat_interleave(group, dim=1)
+        vf = vf.repeat_interleave(group, dim=1)
+    dev = q.device
+    qk = torch.matmul(qf, kf.transpose(-1, -2))
+    score = qk * spec.softmax_scale
+    env = {
+        "b": torch.arange(B, device=dev).view(B, 1, 1, 1),
+        "h": torch.arange(Hq, device=dev).view(1, Hq, 1, 1),
+        "q_idx": torch.arange(Nq, device=dev).view(1, 1, Nq, 1),
+        "kv_idx": torch.arange(Nk, device=dev).view(1, 1, 1, Nk),
+        "q_len": Nq,
+        "kv_len": Nk,
+        "score": score,
+    }
+    if spec.score is not None:
+        score = torch.as_tensor(_eval(spec.score, env, inputs, spec, dtype), device=dev).to(dtype)
+        score = score.expand(B, Hq, Nq, Nk)
+    mask = effective_mask(spec)
+    if mask is not None:
+        keep = torch.as_tensor(_eval(mask, env, inputs, spec, dtype), device=dev).expand(B, Hq, Nq, Nk)
+        score = score.masked_fill(~keep, float("-inf"))
+    # softmax with rows that keep nothing giving 0 (and no NaN in value or gradient)
+    row_max = score.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(score - row_max)
+    denom = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+    out = torch.matmul(p, vf)
+    if not return_lse:
+        return out
+    lse = (row_max + torch.log(denom)).squeeze(-1)
+    return out, lse
+

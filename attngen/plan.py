@@ -1,0 +1,236 @@
+"""plan(spec, target) -> KernelPlan: tile sizes from on-chip memory, every step of the derivation recorded.
+
+The starting point is FlashAttention's rule (Dao et al. 2022, Algorithm 1): with M elements of on-chip
+memory, key/value tiles of B_c = ceil(M / 4d) rows and query tiles of B_r = min(B_c, d) rows let the four
+tiles K_j, V_j, Q_i, O_i fit at once. Triton then needs powers of two, the matrix units want at least 16
+rows, and the tiles that stay live in registers (the float32 accumulator and score tile) must fit in the
+register file: each of those adjustments is a recorded step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from . import expr as ex
+from .canonical import spec_hash
+from .errors import PlanError
+from .spec import Binary, Const, DType, Expr, LoopOrder, Spec, Type, Var
+from .targets import Target, detect, get_target
+
+MIN_TILE = 16  # smallest tile side the matrix instructions (and tl.dot) accept
+MAX_TILE = 128  # a larger side makes the float32 score tile alone 64K+ registers per program
+REG_BUDGET = 168  # float32 registers per thread we let the live tiles take (255 max; the rest: operands, indices)
+MAX_STAGES = 3  # leave shared memory for Triton's layout conversions
+
+
+@dataclass(frozen=True)
+class Step:
+    what: str
+    formula: str
+    value: str
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    spec: Spec
+    spec_hash: str
+    target: Target
+    head_dim_pad: int
+    scale: float
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # backward: the dK/dV kernel keeps a key tile of bwd_block_n rows and streams query tiles of bwd_block_m;
+    # the dQ kernel keeps a query tile of dq_block_m rows and streams key tiles of dq_block_n.
+    bwd_block_m: int
+    bwd_block_n: int
+    dq_block_m: int
+    dq_block_n: int
+    bwd_num_warps: int
+    bwd_num_stages: int
+    mask: Expr | None  # the mask with static block sparsity folded in
+    score: Expr | None
+    dscore: Expr | None  # d score / d (scaled q.k), for the backward
+    steps: tuple[Step, ...] = field(compare=False)
+
+    @property
+    def dtype(self) -> DType:
+        return self.spec.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def loop_order(self) -> LoopOrder:
+        return self.spec.loop_order
+
+    @property
+    def may_mask_rows(self) -> bool:
+        """Whether a query row can end up with no key (so the kernels need their 0/0 and -inf guards)."""
+        return self.mask is not None or self.score is not None
+
+    def describe(self) -> str:
+        t = self.target
+        lines = [
+            f"plan for {self.spec.name} on {t.full_name} ({t.name}, sm_{t.arch}, {t.sm_count} SMs)",
+            f"  dtype {self.dtype.value}, head_dim {self.head_dim} (padded to {self.head_dim_pad}), scale {self.scale:.6g}",
+            "",
+            "derivation:",
+        ]
+        width = max(len(s.what) for s in self.steps)
+        for s in self.steps:
+            lines.append(f"  {s.what:<{width}}  {s.formula}  =>  {s.value}")
+        lines += [
+            "",
+            f"forward  ({self.loop_order.value}): BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} num_stages={self.num_stages}",
+            f"backward dK/dV: BLOCK_M={self.bwd_block_m} BLOCK_N={self.bwd_block_n}; dQ: BLOCK_M={self.dq_block_m} BLOCK_N={self.dq_block_n}; "
+            f"num_warps={self.bwd_num_warps} num_stages={self.bwd_num_stages}",
+        ]
+        return "\n".join(lines)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _regs(tiles: int, warps: int) -> int:
+    return math.ceil(tiles / (32 * warps))
+
+
+def resolve_target(spec: Spec, target: str | Target | None) -> Target:
+    """The Target object for an override, the spec's own target, or the live device for `auto`."""
+    if isinstance(target, Target):
+        return target
+    name = target or spec.target
+    if name == "auto":
+        return detect()
+    return get_target(name)
+
+
+def effective_mask(spec: Spec) -> Expr | None:
+    """The spec's mask AND its static block sparsity (q_blk = q_idx // sparse_block, likewise kv_blk)."""
+    mask = spec.mask
+    if isinstance(spec.sparsity, Expr):
+        blk = Const(spec.sparse_block, Type.INT)
+        sparse = ex.substitute(spec.sparsity, {"q_blk": Binary("//", Var("q_idx"), blk), "kv_blk": Binary("//", Var("kv_idx"), blk)})
+        mask = sparse if mask is None else Binary("and", mask, sparse)
+    return mask
+
+
+def plan(spec: Spec, target: str | Target | None = None) -> KernelPlan:
+    """Derive the kernel plan. Pure: the same spec and target always give the same plan."""
+    tgt = resolve_target(spec, target)
+    if spec.dropout > 0.0:
+        raise PlanError(f"{spec.name}: dropout is not implemented yet (dropout = {spec.dropout}); set dropout = 0.0")
+    if spec.sparsity == "runtime":
+        raise PlanError(f"{spec.name}: sparsity = runtime (block masks passed at call time) is not implemented yet")
+    if spec.dtype is DType.BF16 and not tgt.supports_bf16:
+        cc = ".".join(map(str, tgt.compute_capability))
+        raise PlanError(f"{spec.name}: bf16 needs compute capability 8.0 or newer; {tgt.full_name} is {cc} (use dtype = fp16)")
+
+    steps: list[Step] = []
+    isz = spec.dtype.itemsize
+    d = spec.head_dim
+    dp = max(MIN_TILE, 1 << (d - 1).bit_length())
+    smem = tgt.smem_per_block
+    M = smem // isz
+    steps.append(Step("on-chip memory per block", f"{smem} bytes / {isz} bytes per {spec.dtype.value}", f"M = {M} elements"))
+    if dp != d:
+        steps.append(Step("padded head dim", f"next power of two >= {d}", f"d_pad = {dp}"))
+    b_c = math.ceil(M / (4 * d))
+    steps.append(Step("paper: key tile", f"B_c = ceil(M / 4d) = ceil({M} / {4 * d})", f"{b_c}"))
+    b_r = min(b_c, d)
+    steps.append(Step("paper: query tile", f"B_r = min(B_c, d) = min({b_c}, {d})", f"{b_r}"))
+
+    def clamp(name: str, n: int) -> int:
+        p = min(MAX_TILE, max(MIN_TILE, _pow2_floor(n)))
+        if p != n:
+            steps.append(Step(f"{name}: power of two in [{MIN_TILE}, {MAX_TILE}]", f"round down {n}", f"{p}"))
+        return p
+
+    bn = clamp("BLOCK_N", b_c)
+    bm = clamp("BLOCK_M", b_r)
+    if spec.block_m is not None:
+        steps.append(Step("BLOCK_M override", "spec: block_m", f"{spec.block_m}"))
+        bm = spec.block_m
+    if spec.block_n is not None:
+        steps.append(Step("BLOCK_N override", "spec: block_n", f"{spec.block_n}"))
+        bn = spec.block_n
+
+    warps = 8 if bm >= 128 or dp >= 256 else 4
+    steps.append(Step("num_warps", f"8 if BLOCK_M >= 128 or d_pad >= 256 else 4", f"{warps}"))
+    # Live in registers per program: acc (BM x d_pad fp32), the score tile (BM x BN fp32) and the query tile.
+    while True:
+        live = bm * dp + bm * bn + bm * dp * isz // 4
+        regs = _regs(live, warps)
+        if regs <= REG_BUDGET or (bn == MIN_TILE and bm == MIN_TILE) or spec.block_m or spec.block_n:
+            break
+        if bn > 32 and bn >= bm // 2:
+            steps.append(Step("registers", f"(BM*d_pad + BM*BN + q tile) / {32 * warps} threads = {regs} > {REG_BUDGET}", f"BLOCK_N {bn} -> {bn // 2}"))
+            bn //= 2
+        else:
+            steps.append(Step("registers", f"(BM*d_pad + BM*BN + q tile) / {32 * warps} threads = {regs} > {REG_BUDGET}", f"BLOCK_M {bm} -> {bm // 2}"))
+            bm //= 2
+    steps.append(Step("forward registers", f"(BM*d_pad + BM*BN + q tile) / {32 * warps} threads", f"{regs} per thread"))
+
+    q_bytes = bm * dp * isz
+    stage_bytes = 2 * bn * dp * isz
+    stages = (smem - q_bytes) // stage_bytes
+    if stages < 1:
+        raise PlanError(
+            f"{spec.name}: tiles BLOCK_M={bm}, BLOCK_N={bn} at head_dim {d} need {q_bytes + stage_bytes} bytes of shared memory; "
+            f"{tgt.full_name} has {smem} per block (lower block_m / block_n)"
+        )
+    stages_c = min(MAX_STAGES, stages)
+    steps.append(Step("forward num_stages", f"min({MAX_STAGES}, (smem - Q tile {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages_c}"))
+
+    # Backward, dK/dV kernel: dK and dV accumulators (2 x BN x d_pad fp32) plus the transposed score and dP tiles.
+    bwd_warps = 8 if dp >= 64 else 4
+    kbn = min(bn if spec.block_n else MAX_TILE, max(MIN_TILE, _pow2_floor(b_c)))
+    kbm = 64
+    while _regs(2 * kbn * dp + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbm > MIN_TILE:
+        kbm //= 2
+    while _regs(2 * kbn * dp + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbn > MIN_TILE:
+        kbn //= 2
+    steps.append(Step("backward dK/dV tiles", f"(2*BN*d_pad + 2*BN*BM) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_N={kbn}, BLOCK_M={kbm}"))
+    # dQ kernel: dQ accumulator (BM x d_pad) plus score and dP tiles (BM x BN).
+    qbm, qbn = bm, 64
+    while _regs(qbm * dp + 2 * qbm * qbn, bwd_warps) > REG_BUDGET and qbn > MIN_TILE:
+        qbn //= 2
+    while _regs(qbm * dp + 2 * qbm * qbn, bwd_warps) > REG_BUDGET and qbm > MIN_TILE:
+        qbm //= 2
+    steps.append(Step("backward dQ tiles", f"(BM*d_pad + 2*BM*BN) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_M={qbm}, BLOCK_N={qbn}"))
+    resident = 2 * kbn * dp * isz
+    bwd_stage = 2 * kbm * dp * isz
+    bwd_stages = max(1, min(MAX_STAGES, (smem - resident) // bwd_stage))
+    steps.append(Step("backward num_stages", f"min({MAX_STAGES}, (smem - K,V {resident}) // (Q+dO stage {bwd_stage}))", f"{bwd_stages}"))
+
+    mask = effective_mask(spec)
+    score = spec.score
+    dscore = None
+    if score is not None:
+        scope = ex.Scope("score", ex.SCORE_VARS, {i.name: i for i in spec.inputs})
+        dscore = ex.derivative(score, scope)
+    return KernelPlan(
+        spec=spec,
+        spec_hash=spec_hash(spec),
+        target=tgt,
+        head_dim_pad=dp,
+        scale=spec.softmax_scale,
+        block_m=bm,
+        block_n=bn,
+        num_warps=warps,
+        num_stages=stages_c,
+        bwd_block_m=kbm,
+        bwd_block_n=kbn,
+        dq_block_m=qbm,
+        dq_block_n=qbn,
+        bwd_num_warps=bwd_warps,
+        bwd_num_stages=bwd_stages,
+        mask=mask,
+        score=score,
+        dscore=dscore,
+        steps=tuple(steps),
+    )

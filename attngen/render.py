@@ -1,0 +1,148 @@
+"""render(plan) -> Triton source text, from the Jinja templates in templates/.
+
+Templates receive only plan values (ints, enums, floats printed with repr) and code fragments lowered by
+attngen/expr.py; no spec text reaches them.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from . import __version__
+from . import expr as ex
+from .canonical import format_spec
+from .errors import AttngenError
+from .plan import KernelPlan
+from .spec import DType, LoopOrder
+
+LOG2E = 1.4426950408889634
+
+
+class TemplateError(AttngenError):
+    """A template failed to render: an attngen bug, reported with the template's file and line."""
+
+
+def templates_dir() -> Path:
+    """Installed wheels carry the templates inside the package; a source checkout has them at the top level."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "templates", here.parent / "templates"):
+        if (candidate / "module.py.jinja").is_file():
+            return candidate
+    raise TemplateError(f"attngen's templates are missing (looked in {here / 'templates'} and {here.parent / 'templates'})")
+
+
+@functools.lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def templates_digest() -> str:
+    """sha256 over every template file: part of the cache key, so editing a template invalidates the cache."""
+    h = hashlib.sha256()
+    for path in sorted(templates_dir().glob("*.jinja")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def versions() -> dict[str, str]:
+    out = {"attngen": __version__}
+    for dist in ("triton", "torch"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+@dataclass(frozen=True)
+class _Input:
+    name: str
+    ndim: int
+
+
+@dataclass(frozen=True)
+class _KernelCode:
+    """The spec's expressions lowered for one kernel."""
+
+    outer: list[str]
+    inner: list[str]
+    mask: str
+    score: str
+    dscore: str
+
+
+def _lower_for_kernel(plan: KernelPlan, inner_vars: frozenset[str], want_dscore: bool, helpers: set[str]) -> _KernelCode:
+    spec = plan.spec
+    scope = ex.Scope("score", ex.SCORE_VARS, {i.name: i for i in spec.inputs})
+    names = {v: v for v in ex.SCORE_VARS}
+    lowerer = ex.Lowerer(scope, names, inner_vars)
+    exprs = [e for e in (plan.mask, plan.score, plan.dscore if want_dscore else None) if e is not None]
+    lowered = lowerer.lower_all(exprs)
+    helpers |= lowerer.helpers
+    codes = iter(lowered.exprs)
+    mask = next(codes) if plan.mask is not None else ""
+    score = next(codes) if plan.score is not None else ""
+    dscore = next(codes) if plan.score is not None and want_dscore else ""
+    return _KernelCode(lowered.outer, lowered.inner, mask, score, dscore)
+
+
+def context(plan: KernelPlan) -> dict:
+    """Everything the templates see."""
+    spec = plan.spec
+    helpers: set[str] = set()
+    q_outer = plan.loop_order is LoopOrder.Q_OUTER
+    fwd = _lower_for_kernel(plan, frozenset({"kv_idx", "score"} if q_outer else {"q_idx", "score"}), False, helpers)
+    dkdv = _lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers)
+    dq = _lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers)
+    return {
+        "name": spec.name,
+        "spec_hash": plan.spec_hash,
+        "spec_lines": format_spec(spec).splitlines(),
+        "versions": versions(),
+        "target": plan.target,
+        "plan": plan,
+        "loop_order": plan.loop_order.value,
+        "scale": repr(float(plan.scale)),
+        "qk_scale_log2": repr(float(plan.scale) * LOG2E),
+        "has_mask": plan.mask is not None,
+        "has_score": plan.score is not None,
+        "guard_rows": plan.may_mask_rows,
+        "pad_d": plan.head_dim_pad != plan.head_dim,
+        # float32 specs ask for exact float32 products: Triton's default for fp32 dots is TF32 on the GPU.
+        "dot_args": ', input_precision="ieee"' if plan.dtype is DType.FP32 else "",
+        "inputs": [_Input(i.name, len(i.dims)) for i in spec.inputs],
+        "helpers": [ex.HELPERS[h] for h in sorted(helpers)],
+        "fwd": fwd,
+        "dkdv": dkdv,
+        "dq": dq,
+    }
+
+
+def render(plan: KernelPlan) -> str:
+    """The generated module's source text."""
+    try:
+        return _env().get_template("module.py.jinja").render(**context(plan))
+    except jinja2.TemplateSyntaxError as err:
+        raise TemplateError(f"{err.filename or err.name}:{err.lineno}: {err.message}") from err
+    except jinja2.TemplateError as err:
+        tb = sys.exc_info()[2]
+        where = ""
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.endswith(".jinja"):
+                where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}: "
+            tb = tb.tb_next
+        raise TemplateError(f"{where}{err}") from err

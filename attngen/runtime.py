@@ -1,0 +1,218 @@
+"""Load a generated module and wrap it: call-time checks of the tensors, and a torch.autograd.Function."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from . import cache
+from .canonical import format_spec
+from .check import load_spec
+from .errors import AttngenError, InputError
+from .plan import KernelPlan, plan as make_plan
+from .render import render, templates_digest, versions
+from .spec import Spec
+
+_TORCH_DTYPES = {
+    "bool": torch.bool,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+}
+
+_modules: dict[str, ModuleType] = {}
+_lock = threading.Lock()
+
+
+def read_spec(spec: Spec | str | os.PathLike) -> Spec:
+    """A Spec from a Spec, a path to a .attn file, or spec text."""
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, os.PathLike) or ("{" not in str(spec)):
+        path = Path(spec)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise AttngenError(f"no such spec file: {path}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise AttngenError(f"cannot read spec file {path}: {err}") from None
+        return load_spec(text, str(path))
+    return load_spec(str(spec), "<string>")
+
+
+def _import(path: Path, key: str) -> ModuleType:
+    name = f"attngen_generated_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # Triton resolves a kernel's globals and source through its module
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_source(kernel_plan: KernelPlan) -> tuple[str, str]:
+    """(cache key, generated source) of a plan."""
+    source = render(kernel_plan)
+    ver = versions()
+    key = cache.cache_key(format_spec(kernel_plan.spec), repr(kernel_plan), templates_digest(), ver["attngen"], ver["triton"], ver["torch"])
+    return key, source
+
+
+@dataclass(frozen=True)
+class _Dims:
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+
+
+class Kernel:
+    """A compiled attention variant: call it like a function of (q, k, v, **inputs)."""
+
+    def __init__(self, spec: Spec, kernel_plan: KernelPlan, source: str, path: Path, module: ModuleType):
+        self.spec = spec
+        self.plan = kernel_plan
+        self.source = source
+        self.path = path
+        self.module = module
+
+    def __repr__(self) -> str:
+        return f"<attngen.Kernel {self.spec.name} target={self.plan.target.name} file={self.path}>"
+
+    # -- call-time checks
+    def _check(self, q, k, v, inputs: dict) -> tuple[_Dims, list[torch.Tensor]]:
+        spec = self.spec
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise InputError(f"{name} must be 4-D (batch, heads, tokens, head_dim), got shape {tuple(t.shape)}")
+            if t.shape[-1] != spec.head_dim:
+                raise InputError(f"{name} has head_dim {t.shape[-1]}, the spec says {spec.head_dim}")
+            want = _TORCH_DTYPES[spec.dtype.value]
+            if t.dtype != want:
+                raise InputError(f"{name} is {t.dtype}, the spec {spec.name!r} says dtype = {spec.dtype.value} ({want})")
+            if t.device != q.device:
+                raise InputError(f"q, k, v must be on one device; {name} is on {t.device}, q on {q.device}")
+        B, Hq, Nq, _ = q.shape
+        if k.shape != v.shape:
+            raise InputError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[0] != B:
+            raise InputError(f"q has batch {B}, k and v have {k.shape[0]}")
+        Hkv, Nk = k.shape[1], k.shape[2]
+        if Hkv == 0 or Hq % Hkv:
+            raise InputError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+        if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise InputError("CPU tensors run through Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or use CUDA tensors")
+        if q.device.type not in ("cpu", "cuda"):
+            raise InputError(f"unsupported device {q.device}")
+        dims = _Dims(B, Hq, Hkv, Nq, Nk)
+
+        declared = [d.name for d in spec.inputs]
+        unknown = sorted(set(inputs) - set(declared))
+        if unknown:
+            raise InputError(f"unexpected argument(s) {', '.join(unknown)}; {spec.name!r} declares inputs: {', '.join(declared) or 'none'}")
+        ordered = []
+        bound: dict[str, int] = {"B": B, "H": Hq}
+        for decl in spec.inputs:
+            if decl.name not in inputs:
+                raise InputError(f"missing input {decl.name!r} (declared `input {decl.name}: {decl.dtype}[{', '.join(map(str, decl.dims))}]`)")
+            t = inputs[decl.name]
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"input {decl.name!r} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != _TORCH_DTYPES[decl.dtype]:
+                raise InputError(f"input {decl.name!r} is {t.dtype}, declared {decl.dtype}")
+            if t.dim() != len(decl.dims):
+                raise InputError(f"input {decl.name!r} has {t.dim()} dimension(s), declared {len(decl.dims)}: [{', '.join(map(str, decl.dims))}]")
+            if t.device != q.device:
+                raise InputError(f"input {decl.name!r} is on {t.device}, q on {q.device}")
+            for axis, (dim, size) in enumerate(zip(decl.dims, t.shape)):
+                if isinstance(dim, int):
+                    if size != dim:
+                        raise InputError(f"input {decl.name!r} dimension {axis} is {size}, declared {dim}")
+                elif dim in bound and bound[dim] != size:
+                    what = {"B": "the batch size", "H": "the number of query heads"}.get(dim, f"{dim} elsewhere")
+                    raise InputError(f"input {decl.name!r} dimension {axis} ({dim}) is {size}, but {dim} is {bound[dim]} ({what})")
+                else:
+                    bound[dim] = size
+            ordered.append(t)
+        self._check_direct_indices(dims, dict(zip(declared, ordered)))
+        return dims, ordered
+
+    def _check_direct_indices(self, dims: _Dims, tensors: dict[str, torch.Tensor]) -> None:
+        """An input dimension indexed directly by q_idx (kv_idx, b, h) must cover every value it takes."""
+        from .expr import children
+        from .plan import effective_mask
+        from .spec import Index, Var
+
+        limits = {"q_idx": ("q_len", dims.q_len), "kv_idx": ("kv_len", dims.kv_len), "b": ("batch", dims.batch), "h": ("query heads", dims.heads)}
+        stack = [e for e in (effective_mask(self.spec), self.spec.score) if e is not None]
+        while stack:
+            e = stack.pop()
+            stack.extend(children(e))
+            if isinstance(e, Index):
+                t = tensors[e.input]
+                for axis, idx in enumerate(e.indices):
+                    if isinstance(idx, Var) and idx.name in limits:
+                        what, n = limits[idx.name]
+                        if t.shape[axis] < n:
+                            raise InputError(
+                                f"input {e.input!r} is indexed by {idx.name} on dimension {axis}, which has size {t.shape[axis]}; "
+                                f"{idx.name} goes up to {n - 1} ({what} = {n})"
+                            )
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, **inputs: torch.Tensor):
+        dims, tensors = self._check(q, k, v, inputs)
+        o, lse = _AttentionFunction.apply(self, dims, q, k, v, *tensors)
+        return (o, lse) if return_lse else o
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel: Kernel, dims: _Dims, q, k, v, *inputs):
+        ctx.set_materialize_grads(False)
+        if dims.q_len == 0 or dims.kv_len == 0:  # nothing to attend to (or no query): O = 0, lse = -inf
+            o = q.new_zeros(q.shape)
+            lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+        else:
+            o, lse = kernel.module.attention_forward(q, k, v, *inputs)
+        ctx.kernel = kernel
+        ctx.dims = dims
+        ctx.save_for_backward(q, k, v, o, lse, *inputs)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, *inputs = ctx.saved_tensors
+        dims = ctx.dims
+        if (do is None and dlse is None) or dims.q_len == 0 or dims.kv_len == 0:
+            return (None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
+        return (None, None, dq, dk, dv) + (None,) * len(inputs)
+
+
+def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None) -> Kernel:
+    """Parse, check, plan, render, cache and load a spec. `spec` is a path, spec text, or a Spec;
+    `target` overrides the spec's target (a name from `attngen targets`, or "auto")."""
+    spec_obj = read_spec(spec)
+    kernel_plan = make_plan(spec_obj, target)
+    key, source = build_source(kernel_plan)
+    with _lock:
+        module = _modules.get(key)
+        if module is None:
+            path = cache.store(spec_obj.name, key, source, Path(cache_dir) if cache_dir else None)
+            module = _import(path, key)
+            _modules[key] = module
+    return Kernel(spec_obj, kernel_plan, source, Path(module.__file__), module)
