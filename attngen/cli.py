@@ -1,0 +1,135 @@
+"""attngen build | plan | targets | check. Spec errors print file:line:col with a caret and exit 2."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import AttngenError, PlanError, SourceError
+
+EXIT_SPEC = 2
+
+
+def _specs(paths: list[str]):
+    from .runtime import read_spec
+
+    return [read_spec(Path(p)) for p in paths]
+
+
+def cmd_targets(args) -> int:
+    from .targets import TARGETS
+
+    print(f"{'name':<11}{'GPU':<26}{'sm':>5}{'SMs':>6}{'smem/SM':>10}{'smem/block':>12}  bf16")
+    for t in TARGETS.values():
+        print(f"{t.name:<11}{t.full_name:<26}{t.arch:>5}{t.sm_count:>6}{t.smem_per_sm // 1024:>8}KB{t.smem_per_block // 1024:>10}KB  {'yes' if t.supports_bf16 else 'no'}")
+    print("\nsources: CUDA C++ Programming Guide (compute capability tables) and each GPU's whitepaper; `attngen targets -v` lists them")
+    if args.verbose:
+        for t in TARGETS.values():
+            print(f"  {t.name}: " + "; ".join(t.sources))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .plan import plan
+
+    for spec in _specs(args.spec):
+        print(plan(spec, args.target).describe())
+    return 0
+
+
+def cmd_build(args) -> int:
+    from .cache import write_atomic
+    from .plan import plan
+    from .runtime import build_source
+
+    # Everything is planned and rendered before anything is written: an error leaves the directory as it was.
+    outputs = []
+    for spec in _specs(args.spec):
+        for target in args.target:
+            kernel_plan = plan(spec, target)
+            _, source = build_source(kernel_plan)
+            outputs.append((Path(args.output) / f"{spec.name}_{kernel_plan.target.name}.py", source, kernel_plan))
+    for path, source, kernel_plan in outputs:
+        write_atomic(path, source)
+        p = kernel_plan
+        print(f"wrote {path}  (fwd {p.block_m}x{p.block_n}, {p.num_warps} warps, {p.num_stages} stages; {p.loop_order.value})")
+    return 0
+
+
+def cmd_check(args) -> int:
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by attngen.runtime)
+    import torch
+
+    from . import verify
+    from .runtime import compile as compile_spec
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("attngen check: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return 1
+    shapes = verify.CUDA_SHAPES if args.device == "cuda" else verify.CPU_SHAPES
+    if args.quick:
+        shapes = shapes[:3]
+    failed = 0
+    for spec in _specs(args.spec):
+        dtypes = args.dtype or ([spec.dtype.value] if args.device == "cuda" or spec.dtype.value != "bf16" else ["fp16"])
+        results = []
+        for dtype in dtypes:
+            from dataclasses import replace
+
+            from .spec import DType
+
+            kernel = compile_spec(replace(spec, dtype=DType(dtype)), args.target or ("h100" if args.device == "cpu" else None))
+            for shape in shapes:
+                results.append(verify.check_one(kernel, shape, args.device))
+        note = " (the interpreter has no bf16 arithmetic: checked as fp16)" if args.device == "cpu" and spec.dtype.value == "bf16" and not args.dtype else ""
+        print(verify.format_table(f"\n{spec.filename or spec.name} on {args.device}{note}", results))
+        failed += sum(not r.ok for r in results)
+    print(f"\n{'all passed' if not failed else f'{failed} case(s) FAILED'}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="attngen", description="Compile .attn attention specs into Triton kernels.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("build", help="write the generated modules for a target (no GPU needed)")
+    p.add_argument("spec", nargs="+", help=".attn files")
+    p.add_argument("--target", action="append", required=True, help="GPU name from `attngen targets` (repeatable)")
+    p.add_argument("-o", "--output", default="build", help="output directory (default: ./build)")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("plan", help="print the tiling plan and its derivation from the target's SRAM")
+    p.add_argument("spec", nargs="+")
+    p.add_argument("--target", default=None, help="GPU name (default: the spec's target)")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("targets", help="list the known GPUs")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the source of each figure")
+    p.set_defaults(func=cmd_targets)
+
+    p = sub.add_parser("check", help="run kernels against the naive reference over a matrix of shapes")
+    p.add_argument("spec", nargs="+")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu runs Triton's interpreter")
+    p.add_argument("--dtype", action="append", choices=("fp16", "bf16", "fp32"), help="dtypes to check (default: the spec's)")
+    p.add_argument("--target", default=None, help="plan for this GPU (default: h100 on cpu, the live device on cuda)")
+    p.add_argument("--quick", action="store_true", help="only the three smallest shapes")
+    p.set_defaults(func=cmd_check)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SourceError as err:
+        print(err, file=sys.stderr)
+        return EXIT_SPEC
+    except PlanError as err:
+        print(f"attngen: cannot plan: {err}", file=sys.stderr)
+        return EXIT_SPEC
+    except AttngenError as err:
+        print(f"attngen: {err}", file=sys.stderr)
+        return EXIT_SPEC
+
+
+if __name__ == "__main__":
+    sys.exit(main())

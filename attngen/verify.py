@@ -1,0 +1,138 @@
+"""Check a compiled kernel against the naive reference over a matrix of shapes (used by `attngen check`).
+
+The rule, as in flash-attention's tests: the kernel's largest error against a float64 reference (computed
+on CPU) must stay within `factor` times the error of the same-precision naive attention (factor 2 for the output, 3 for the gradients), plus a floor of
+FLOOR_ULPS float32 ulps of the largest reference value (at least of 1.0): the kernels accumulate in float32,
+so nothing they return is more exact than that. For the gradients the magnitude is that of the terms being
+summed, scale * |dO V^T| * |K|, not of the result: dQ and dK come from dP - delta, a cancellation of two
+float32 sums (with a single key the true dQ is exactly 0, which the kernel reaches only to float32 rounding). The
+log-sum-exp is computed in float32 from the same products, so it gets a relative bound (LSE_RTOL), and
+must be -inf exactly where the reference's is. Any NaN fails.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .naive import reference
+
+# (batch, query heads, key/value heads, q_len, kv_len): a single token, an odd length, GQA with
+# q_len != kv_len, MQA with short queries and long keys, and tile-aligned lengths.
+CPU_SHAPES = ((1, 1, 1, 1, 1), (2, 2, 2, 17, 17), (1, 4, 2, 65, 63), (2, 2, 1, 113, 203), (1, 2, 2, 128, 128))
+CUDA_SHAPES = CPU_SHAPES + ((2, 8, 2, 1000, 1000), (1, 4, 4, 2048, 512), (2, 4, 1, 300, 4096))
+
+LSE_RTOL = 1e-4
+FLOOR_ULPS = 4
+_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Result:
+    shape: tuple
+    dtype: str
+    errors: dict = field(default_factory=dict)  # name -> (kernel error, naive error, bound)
+    nan: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.nan and all(err <= bound for err, _, bound in self.errors.values())
+
+
+def make_inputs(spec, batch: int, heads: int, q_len: int, kv_len: int, device, generator: torch.Generator) -> dict:
+    """Random values for the spec's declared inputs (test data, not a model of any real use):
+    1-D integer inputs (lengths) uniform in [0, kv_len]; longer integer inputs (document ids) sorted runs
+    of about 16 tokens; floats standard normal; booleans fair coins."""
+    out = {}
+    sizes = {"B": batch, "H": heads}
+    n = max(q_len, kv_len)
+    for decl in spec.inputs:
+        shape = tuple(d if isinstance(d, int) else sizes.get(d, n) for d in decl.dims)
+        kind = decl.dtype
+        if kind == "bool":
+            t = torch.rand(shape, generator=generator) < 0.5
+        elif kind.startswith("int"):
+            if len(shape) == 1:
+                t = torch.randint(0, kv_len + 1, shape, generator=generator)
+            else:
+                t = torch.randint(0, max(1, shape[-1] // 16) + 1, shape, generator=generator).sort(dim=-1).values
+            t = t.to(getattr(torch, kind))
+        else:
+            t = torch.randn(shape, generator=generator).to(_TORCH[kind])
+        out[decl.name] = t.to(device)
+    return out
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _floor(ref: torch.Tensor, terms: float = 0.0) -> float:
+    """FLOOR_ULPS float32 ulps at the largest magnitude of the result or of the terms summed into it (at least 1.0)."""
+    peak = ref.abs().max().item() if ref.numel() else 0.0
+    return FLOOR_ULPS * torch.finfo(torch.float32).eps * max(1.0, peak, terms)
+
+
+def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool = True) -> Result:
+    spec = kernel.spec
+    dtype = _TORCH[spec.dtype.value]
+    B, Hq, Hkv, Nq, Nk = shape
+    D = spec.head_dim
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=dtype)
+    do = torch.randn(B, Hq, Nq, D, generator=gen).to(device=device, dtype=dtype)
+    inputs = make_inputs(spec, B, Hq, Nq, Nk, device, gen)
+    leaves = [t.requires_grad_(backward) for t in (q, k, v)]
+
+    out, lse = kernel(*leaves, return_lse=True, **inputs)
+    # float64 reference on CPU (exact enough to be the truth), and the same-precision naive attention
+    cpu = [t.detach().cpu().double().requires_grad_(backward) for t in leaves]
+    cpu_inputs = {n: t.cpu() for n, t in inputs.items()}
+    ref, ref_lse = reference(spec, *cpu, return_lse=True, dtype=torch.float64, **cpu_inputs)
+    naive_leaves = [t.detach().clone().requires_grad_(backward) for t in leaves]
+    naive = reference(spec, *naive_leaves, dtype=dtype, **inputs)
+
+    res = Result(shape, spec.dtype.value)
+    res.nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+    res.errors["out"] = _bound(out.cpu(), naive.cpu(), ref, 2)
+    group = Hq // Hkv
+    finite = torch.isfinite(ref_lse)
+    same_support = torch.equal(torch.isfinite(lse.cpu()), finite)
+    lse_err = _err(lse.cpu()[finite], ref_lse[finite]) if same_support else float("inf")
+    scale = max([1.0] + ([ref_lse[finite].abs().max().item()] if finite.any() else []))
+    res.errors["lse"] = (lse_err, 0.0, LSE_RTOL * scale)
+    if backward:
+        grads = torch.autograd.grad(out, leaves, do)
+        ref_grads = torch.autograd.grad(ref, cpu, do.cpu().double())
+        naive_grads = torch.autograd.grad(naive, naive_leaves, do)
+        q64, k64, v64 = (t.detach() for t in cpu)
+        dp = do.cpu().double() @ v64.repeat_interleave(group, dim=1).transpose(-1, -2)
+        terms = spec.softmax_scale * (dp.abs().max().item() if dp.numel() else 0.0) * max(q64.abs().max().item(), k64.abs().max().item())
+        for name, g, rg, ng in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+            res.nan |= bool(torch.isnan(g).any())
+            res.errors[name] = _bound(g.cpu(), ng.cpu(), rg, 3, terms)
+    return res
+
+
+def _bound(got: torch.Tensor, naive: torch.Tensor, ref: torch.Tensor, factor: int, terms: float = 0.0) -> tuple[float, float, float]:
+    naive_err = _err(naive, ref)
+    return _err(got, ref), naive_err, factor * naive_err + _floor(ref, terms)
+
+
+def format_table(title: str, results: list[Result]) -> str:
+    names = ["out", "lse", "dq", "dk", "dv"]
+    head = f"{'shape (B,Hq,Hkv,Nq,Nk)':<26}{'dtype':<6}" + "".join(f"{n + ' err/bound':>20}" for n in names) + "  status"
+    lines = [title, head, "-" * len(head)]
+    for r in results:
+        cells = []
+        for n in names:
+            if n in r.errors:
+                err, _, bound = r.errors[n]
+                cells.append(f"{err:9.2e}/{bound:8.2e}{'!' if err > bound else ' '}")
+            else:
+                cells.append(f"{'-':>19} ")
+        status = "NaN" if r.nan else ("ok" if r.ok else "FAIL")
+        lines.append(f"{str(r.shape):<26}{r.dtype:<6}" + "".join(f"{c:>20}" for c in cells) + f"  {status}")
+    return "\n".join(lines)
