@@ -10,18 +10,26 @@ import torch
 
 from .expr import SCORE_VARS, Scope, typeof
 from .plan import effective_mask
-from .spec import Binary, Call, Const, Expr, Index, Spec, Type, Unary, Var
+from .spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
 
 
-def _eval(e: Expr, env: dict, inputs: dict, spec: Spec, fdtype: torch.dtype):
-    scope = Scope("score", SCORE_VARS, {i.name: i for i in spec.inputs})
+def _tensor(x, fdtype: torch.dtype) -> torch.Tensor:
+    """A tensor of x; Python floats become `fdtype` (torch.as_tensor would make them float32)."""
+    if torch.is_tensor(x):
+        return x
+    return torch.as_tensor(x, dtype=fdtype) if isinstance(x, float) else torch.as_tensor(x)
+
+
+def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype):
+    """Value of an expression with torch: `env` maps variables to tensors or numbers, `inputs` names to tensors.
+    Python semantics throughout (floor division, remainder with the divisor's sign, true division)."""
     if isinstance(e, Const):
         return e.value
     if isinstance(e, Var):
         return env[e.name]
     if isinstance(e, Index):
         t = inputs[e.input]
-        idx = [torch.as_tensor(_eval(i, env, inputs, spec, fdtype), device=t.device).long() for i in e.indices]
+        idx = [torch.as_tensor(evaluate(i, env, inputs, scope, fdtype), device=t.device).long() for i in e.indices]
         idx = torch.broadcast_tensors(*idx)
         valid = torch.ones_like(idx[0], dtype=torch.bool)
         clamped = []
@@ -33,24 +41,23 @@ def _eval(e: Expr, env: dict, inputs: dict, spec: Spec, fdtype: torch.dtype):
             val = val.to(fdtype)
         return torch.where(valid, val, torch.zeros((), dtype=val.dtype, device=val.device))  # outside the tensor: 0
     if isinstance(e, Unary):
-        a = _eval(e.operand, env, inputs, spec, fdtype)
+        a = evaluate(e.operand, env, inputs, scope, fdtype)
         if e.op == "not":
             return ~a if torch.is_tensor(a) else not a
         return -a
     if isinstance(e, Binary):
-        a = _eval(e.lhs, env, inputs, spec, fdtype)
-        b = _eval(e.rhs, env, inputs, spec, fdtype)
+        a = evaluate(e.lhs, env, inputs, scope, fdtype)
+        b = evaluate(e.rhs, env, inputs, scope, fdtype)
         op = e.op
         if op == "and":
             return torch.as_tensor(a) & torch.as_tensor(b)
         if op == "or":
             return torch.as_tensor(a) | torch.as_tensor(b)
         if op == "/":
-            a, b = torch.as_tensor(a, dtype=fdtype) if not torch.is_tensor(a) else a.to(fdtype), b
-            return a / (b.to(fdtype) if torch.is_tensor(b) else float(b))
+            return _tensor(a, fdtype).to(fdtype) / _tensor(b, fdtype).to(fdtype)
         if op in ("//", "%"):
             is_int = typeof(e, scope) is Type.INT
-            ta, tb = torch.as_tensor(a), torch.as_tensor(b)
+            ta, tb = _tensor(a, fdtype), _tensor(b, fdtype)
             if not is_int:
                 ta, tb = ta.to(fdtype), tb.to(fdtype)
             q = torch.div(ta, tb, rounding_mode="floor")
@@ -67,21 +74,20 @@ def _eval(e: Expr, env: dict, inputs: dict, spec: Spec, fdtype: torch.dtype):
             "!=": lambda: a != b,
         }[op]()
     if isinstance(e, Call):
-        args = [_eval(a, env, inputs, spec, fdtype) for a in e.args]
+        args = [_tensor(evaluate(a, env, inputs, scope, fdtype), fdtype) for a in e.args]
         if e.func == "where":
-            c, x, y = (torch.as_tensor(a) for a in args)
+            c, x, y = args
             if x.dtype.is_floating_point or y.dtype.is_floating_point:
                 x, y = x.to(fdtype), y.to(fdtype)
             return torch.where(c, x, y)
         if e.func in ("min", "max"):
-            out = torch.as_tensor(args[0])
+            out = args[0]
             for x in args[1:]:
-                x = torch.as_tensor(x)
                 if out.dtype.is_floating_point or x.dtype.is_floating_point:
                     out, x = out.to(fdtype), x.to(fdtype)
                 out = torch.minimum(out, x) if e.func == "min" else torch.maximum(out, x)
             return out
-        a = torch.as_tensor(args[0])
+        a = args[0]
         if e.func == "abs":
             return a.abs()
         a = a.to(fdtype)
@@ -119,12 +125,13 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
         "kv_len": Nk,
         "score": score,
     }
+    scope = Scope("score", SCORE_VARS, {i.name: i for i in spec.inputs})
     if spec.score is not None:
-        score = torch.as_tensor(_eval(spec.score, env, inputs, spec, dtype), device=dev).to(dtype)
+        score = torch.as_tensor(evaluate(spec.score, env, inputs, scope, dtype), device=dev).to(dtype)
         score = score.expand(B, Hq, Nq, Nk)
     mask = effective_mask(spec)
     if mask is not None:
-        keep = torch.as_tensor(_eval(mask, env, inputs, spec, dtype), device=dev).expand(B, Hq, Nq, Nk)
+        keep = torch.as_tensor(evaluate(mask, env, inputs, scope, dtype), device=dev).expand(B, Hq, Nq, Nk)
         score = score.masked_fill(~keep, float("-inf"))
     # softmax with rows that keep nothing giving 0 (and no NaN in value or gradient)
     row_max = score.amax(dim=-1, keepdim=True).detach()

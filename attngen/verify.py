@@ -1,13 +1,13 @@
 """Check a compiled kernel against the naive reference over a matrix of shapes (used by `attngen check`).
 
-The rule, as in flash-attention's tests: the kernel's largest error against a float64 reference (computed
-on CPU) must stay within `factor` times the error of the same-precision naive attention (factor 2 for the output, 3 for the gradients), plus a floor of
-FLOOR_ULPS float32 ulps of the largest reference value (at least of 1.0): the kernels accumulate in float32,
-so nothing they return is more exact than that. For the gradients the magnitude is that of the terms being
-summed, scale * |dO V^T| * |K|, not of the result: dQ and dK come from dP - delta, a cancellation of two
-float32 sums (with a single key the true dQ is exactly 0, which the kernel reaches only to float32 rounding). The
-log-sum-exp is computed in float32 from the same products, so it gets a relative bound (LSE_RTOL), and
-must be -inf exactly where the reference's is. Any NaN fails.
+The rule, as in flash-attention's tests: the kernel's largest error against a float64 reference (computed on
+the kernel's device) must stay within `factor` times the error of the same-precision naive attention (2 for
+the output, 3 for the gradients), plus a floor of FLOOR_ULPS float32 ulps of the largest magnitude involved
+(at least 1.0). The kernels accumulate in float32, so nothing they return is more exact than that. For the
+gradients the magnitude is that of the terms summed, scale * |dO V^T| * |K|, not of the result: dQ and dK
+come from dP - delta, a cancellation of two float32 sums (with a single key the true dQ is exactly 0, which
+the kernel reaches only to float32 rounding). The log-sum-exp is float32 from the same products, so it gets
+a relative bound (LSE_RTOL) and must be -inf exactly where the reference's is. Any NaN fails.
 """
 from __future__ import annotations
 
@@ -87,16 +87,16 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
     leaves = [t.requires_grad_(backward) for t in (q, k, v)]
 
     out, lse = kernel(*leaves, return_lse=True, **inputs)
-    # float64 reference on CPU (exact enough to be the truth), and the same-precision naive attention
-    cpu = [t.detach().cpu().double().requires_grad_(backward) for t in leaves]
-    cpu_inputs = {n: t.cpu() for n, t in inputs.items()}
-    ref, ref_lse = reference(spec, *cpu, return_lse=True, dtype=torch.float64, **cpu_inputs)
+    # float64 reference on the same device (exact enough to be the truth), and the same-precision naive attention
+    wide = [t.detach().double().requires_grad_(backward) for t in leaves]
+    ref, ref_lse = reference(spec, *wide, return_lse=True, dtype=torch.float64, **inputs)
+    ref_lse = ref_lse.detach().cpu()
     naive_leaves = [t.detach().clone().requires_grad_(backward) for t in leaves]
     naive = reference(spec, *naive_leaves, dtype=dtype, **inputs)
 
     res = Result(shape, spec.dtype.value)
     res.nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
-    res.errors["out"] = _bound(out.cpu(), naive.cpu(), ref, 2)
+    res.errors["out"] = _bound(out.cpu(), naive.cpu(), ref.detach().cpu(), 2)
     group = Hq // Hkv
     finite = torch.isfinite(ref_lse)
     same_support = torch.equal(torch.isfinite(lse.cpu()), finite)
@@ -105,9 +105,9 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
     res.errors["lse"] = (lse_err, 0.0, LSE_RTOL * scale)
     if backward:
         grads = torch.autograd.grad(out, leaves, do)
-        ref_grads = torch.autograd.grad(ref, cpu, do.cpu().double())
+        ref_grads = [g.cpu() for g in torch.autograd.grad(ref, wide, do.double())]
         naive_grads = torch.autograd.grad(naive, naive_leaves, do)
-        q64, k64, v64 = (t.detach() for t in cpu)
+        q64, k64, v64 = (t.detach().cpu() for t in wide)
         dp = do.cpu().double() @ v64.repeat_interleave(group, dim=1).transpose(-1, -2)
         terms = spec.softmax_scale * (dp.abs().max().item() if dp.numel() else 0.0) * max(q64.abs().max().item(), k64.abs().max().item())
         for name, g, rg, ng in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):

@@ -1,0 +1,41 @@
+"""Test set-up: which device the numerics run on, Triton's interpreter for CPU, a private kernel cache.
+
+    pytest                      # CPU: kernels run in Triton's interpreter (TRITON_INTERPRET=1), fp32 and fp16
+    pytest --device cuda        # the same tests on a GPU, bf16 included
+"""
+import os
+import tempfile
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", choices=("cpu", "cuda"), default="cpu", help="where the kernels run (cpu: Triton's interpreter)")
+
+
+def pytest_configure(config):
+    if config.getoption("--device") == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
+    # Each test session (and each xdist worker) writes generated modules to its own fresh cache.
+    os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-test-cache-")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    dev = request.config.getoption("--device")
+    if dev == "cuda":
+        import torch
+
+        assert torch.cuda.is_available(), "--device cuda but no CUDA device is visible"
+    return dev
+
+
+@pytest.fixture(scope="session")
+def dtypes(device) -> tuple[str, ...]:
+    """Element types to check: Triton's interpreter has no bf16 arithmetic, so bf16 is checked on the GPU only."""
+    return ("fp32", "fp16", "bf16") if device == "cuda" else ("fp32", "fp16")
+
+
+@pytest.fixture(scope="session")
+def target(device) -> str:
+    return "auto" if device == "cuda" else "h100"
