@@ -30,6 +30,7 @@ _TORCH_DTYPES = {
     "fp32": torch.float32,
 }
 
+LN2 = 0.6931471805599453
 _modules: dict[str, ModuleType] = {}
 _lock = threading.Lock()
 
@@ -173,8 +174,10 @@ class Kernel:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, **inputs: torch.Tensor):
         dims, tensors = self._check(q, k, v, inputs)
-        o, lse = _AttentionFunction.apply(self, dims, q, k, v, *tensors)
-        return (o, lse) if return_lse else o
+        o, lse2 = _AttentionFunction.apply(self, dims, q, k, v, *tensors)
+        # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
+        # recomputes P = exp2(s - lse2) exactly); users get natural log.
+        return (o, lse2 * LN2) if return_lse else o
 
 
 class _AttentionFunction(torch.autograd.Function):

@@ -1,0 +1,80 @@
+"""The disk cache: keyed by everything that changes the source, written atomically, checked on load."""
+import os
+import threading
+
+import pytest
+
+from attngen import cache
+from attngen.check import load_spec
+from attngen.plan import plan
+from attngen.runtime import build_source
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path / "c"))
+    assert cache.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("ATTNGEN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cache.cache_dir() == tmp_path / "x" / "attngen"
+
+
+def test_key_changes_with_spec_target_and_plan():
+    a = plan(load_spec("attention t { head_dim = 64 }"), "h100")
+    b = plan(load_spec("attention t { head_dim = 64 mask = q_idx >= kv_idx }"), "h100")
+    c = plan(load_spec("attention t { head_dim = 64 }"), "a100")
+    d = plan(load_spec("attention t { head_dim = 64 block_m = 16 }"), "h100")
+    keys = {build_source(p)[0] for p in (a, b, c, d)}
+    assert len(keys) == 4
+    assert build_source(a)[0] == build_source(plan(load_spec("attention t {\n head_dim = 64 # same\n}"), "h100"))[0]
+
+
+def test_key_covers_the_templates(monkeypatch):
+    p = plan(load_spec("attention t { head_dim = 64 }"), "h100")
+    key = build_source(p)[0]
+    monkeypatch.setattr("attngen.runtime.templates_digest", lambda: "edited")
+    assert build_source(p)[0] != key
+
+
+def test_store_writes_once_and_rewrites_corruption(tmp_path):
+    path = cache.store("t", "ab" * 32, "print('x')\n", tmp_path)
+    assert path.read_text() == "print('x')\n"
+    mtime = path.stat().st_mtime_ns
+    assert cache.store("t", "ab" * 32, "print('x')\n", tmp_path) == path and path.stat().st_mtime_ns == mtime
+    path.write_text("print('tampered')\n")
+    cache.store("t", "ab" * 32, "print('x')\n", tmp_path)
+    assert path.read_text() == "print('x')\n"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left behind
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    target = tmp_path / "m.py"
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        cache.write_atomic(target, "x" * 1000)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_concurrent_writers_never_expose_a_partial_file(tmp_path):
+    target = tmp_path / "m.py"
+    texts = ["a" * 200_000, "b" * 200_000]
+    seen = []
+
+    def write(t):
+        for _ in range(20):
+            cache.write_atomic(target, t)
+
+    def read():
+        for _ in range(200):
+            if target.exists():
+                seen.append(target.read_text())
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in texts] + [threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(s in texts for s in seen)

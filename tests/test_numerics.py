@@ -1,0 +1,175 @@
+"""Numerics: generated kernels against the float64 reference, forward and backward, with the error-budget rule
+of attngen.verify (2x / 3x the same-precision naive error plus a float32-ulp floor; never NaN).
+
+CPU runs go through Triton's interpreter in fp32 and fp16; `pytest --device cuda` adds bf16 and larger shapes.
+"""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import verify
+from attngen.check import load_spec
+from attngen.spec import DType, LoopOrder
+
+SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
+
+# Variants that need no file of their own: edge head dims, the other loop order with masks that empty rows,
+# a window short enough to matter at test lengths, and masks that keep nothing.
+VARIANTS = {
+    "dense_d16": "attention v { head_dim = 16 }",
+    "causal_d256": "attention v { head_dim = 256 mask = q_idx >= kv_idx }",
+    "window_24": "attention v { head_dim = 32 mask = q_idx >= kv_idx and q_idx - kv_idx < 24 }",
+    "kv_outer_padding": "attention v { head_dim = 48 loop_order = kv_outer input lens: int32[B] mask = kv_idx < lens[b] }",
+    "kv_outer_softcap_bottom_right": "attention v { head_dim = 64 loop_order = kv_outer mask = q_idx + kv_len - q_len >= kv_idx score = 20.0 * tanh(score / 20.0) }",
+    "kv_outer_document": "attention v { head_dim = 32 loop_order = kv_outer input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] }",
+    "nothing_kept": "attention v { head_dim = 32 mask = q_idx < 0 }",
+    "score_only_where": "attention v { head_dim = 32 score = where(q_idx >= kv_idx, score, score - 4.0) }",
+    "head_bias_int_input": "attention v { head_dim = 32 input bias: int32[H] score = score + bias[h] * 0.25 mask = q_idx != kv_idx }",
+    "bool_input": "attention v { head_dim = 32 input allowed: bool[B, N] mask = allowed[b, kv_idx] or q_idx == kv_idx }",
+}
+
+
+def _compile(spec, dtype, target):
+    return attngen.compile(dataclasses.replace(spec, dtype=DType(dtype)), target)
+
+
+def _check(kernel, device, shapes=None):
+    shapes = shapes or (verify.CUDA_SHAPES if device == "cuda" else verify.CPU_SHAPES)
+    results = [verify.check_one(kernel, shape, device, seed=i) for i, shape in enumerate(shapes)]
+    assert all(r.ok for r in results), "\n" + verify.format_table(kernel.spec.name, results)
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_shipped_spec(path, device, dtypes, target):
+    spec = load_spec(path.read_text(), str(path))
+    for dtype in dtypes:
+        _check(_compile(spec, dtype, target), device)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variant(name, device, dtypes, target):
+    spec = load_spec(VARIANTS[name], name)
+    for dtype in dtypes:
+        _check(_compile(spec, dtype, target), device)
+
+
+@pytest.mark.parametrize("loop_order", list(LoopOrder))
+def test_both_loop_orders_agree(loop_order, device, target):
+    spec = dataclasses.replace(load_spec((Path(__file__).parent.parent / "specs" / "causal_softcap.attn").read_text()), loop_order=loop_order)
+    kern = _compile(spec, "fp32", target)
+    _check(kern, device, shapes=((2, 4, 2, 70, 90),))
+
+
+def _rand(*shape, device, dtype, gen):
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def test_non_contiguous_inputs_and_grad(device, target):
+    """q/k/v stored as (B, N, H, D) and viewed as (B, H, N, D); dO non-contiguous too."""
+    kern = _compile(load_spec("attention t { head_dim = 40 mask = q_idx >= kv_idx }"), "fp32", target)
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, Nq, Nk = 2, 4, 2, 37, 53
+    q = _rand(B, Nq, Hq, 40, device=device, dtype=torch.float32, gen=gen).transpose(1, 2).requires_grad_()
+    kv = _rand(B, Nk, 2, Hkv, 40, device=device, dtype=torch.float32, gen=gen)
+    k = kv[:, :, 0].transpose(1, 2).detach().requires_grad_()
+    v = kv[:, :, 1].transpose(1, 2).detach().requires_grad_()
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    do = _rand(B, Nq, Hq, 80, device=device, dtype=torch.float32, gen=gen)[..., ::2].transpose(1, 2)
+    assert not do.is_contiguous()
+    out = kern(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref = attngen.reference(kern.spec, *(t.double() for t in (q, k, v)))
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+    assert torch.allclose(out.double(), ref, atol=2e-5)
+    for g, rg in zip(grads, ref_grads):
+        assert torch.allclose(g.double(), rg.double(), atol=5e-5)
+
+
+def test_fully_masked_rows_are_zero_with_minus_inf_lse(device, target):
+    spec = load_spec((Path(__file__).parent.parent / "specs" / "key_padding.attn").read_text())
+    for loop_order in LoopOrder:
+        kern = _compile(dataclasses.replace(spec, loop_order=loop_order), "fp32", target)
+        gen = torch.Generator().manual_seed(1)
+        q, k, v = (_rand(3, 2, 33, 64, device=device, dtype=torch.float32, gen=gen).requires_grad_() for _ in range(3))
+        lens = torch.tensor([0, 5, 33], dtype=torch.int32, device=device)
+        out, lse = kern(q, k, v, return_lse=True, lens=lens)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1:]).all()
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        for g in grads:
+            assert not torch.isnan(g).any()
+            assert torch.equal(g[0], torch.zeros_like(g[0]))
+        assert torch.equal(grads[1][1, :, 5:], torch.zeros_like(grads[1][1, :, 5:]))  # padded keys get no gradient
+
+
+def test_lse_is_differentiable(device, target):
+    kern = _compile(load_spec("attention t { head_dim = 32 mask = q_idx >= kv_idx }"), "fp32", target)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (_rand(1, 2, 29, 32, device=device, dtype=torch.float32, gen=gen).requires_grad_() for _ in range(3))
+    out, lse = kern(q, k, v, return_lse=True)
+    w = _rand(1, 2, 29, device=device, dtype=torch.float32, gen=gen)
+    grads = torch.autograd.grad((lse * w).sum() + out.square().sum(), (q, k, v))
+    ref, ref_lse = attngen.reference(kern.spec, *(t.double() for t in (q, k, v)), return_lse=True)
+    ref_grads = torch.autograd.grad((ref_lse * w.double()).sum() + ref.square().sum(), (q, k, v))
+    for g, rg in zip(grads, ref_grads):
+        assert torch.allclose(g.double(), rg.double(), atol=5e-5)
+
+
+def test_empty_sequences(device, target):
+    kern = _compile(load_spec("attention t { head_dim = 32 }"), "fp32", target)
+    q = torch.randn(1, 2, 5, 32, device=device, requires_grad=True)
+    empty = torch.randn(1, 2, 0, 32, device=device, requires_grad=True)
+    out, lse = kern(q, empty, empty, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+    assert kern(empty, q, q).shape == (1, 2, 0, 32)
+
+
+def test_backward_is_deterministic(device, target):
+    """No atomics: two backward passes give bit-identical gradients (GQA sums happen in registers)."""
+    kern = _compile(load_spec("attention t { head_dim = 32 mask = q_idx >= kv_idx }"), "fp16", target)
+    gen = torch.Generator().manual_seed(4)
+    q = _rand(2, 8, 70, 32, device=device, dtype=torch.float16, gen=gen).requires_grad_()
+    k, v = (_rand(2, 2, 70, 32, device=device, dtype=torch.float16, gen=gen).requires_grad_() for _ in range(2))
+    first = torch.autograd.grad(kern(q, k, v).sum(), (q, k, v))
+    second = torch.autograd.grad(kern(q, k, v).sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# ---- the checker itself can fail --------------------------------------------------------------------------
+class _Broken:
+    """Wraps a generated module and perturbs one result."""
+
+    def __init__(self, module, which, factor=1.01):
+        self._module, self._which, self._factor = module, which, factor
+
+    def attention_forward(self, *args):
+        o, lse = self._module.attention_forward(*args)
+        return (o * self._factor if self._which == "out" else o), lse
+
+    def attention_backward(self, *args):
+        dq, dk, dv = self._module.attention_backward(*args)
+        return dq, (dk * self._factor if self._which == "dk" else dk), dv
+
+
+@pytest.mark.parametrize("which", ["out", "dk"])
+def test_verify_catches_a_one_percent_error(which, device, target):
+    kern = _compile(load_spec("attention t { head_dim = 32 mask = q_idx >= kv_idx }"), "fp16", target)
+    assert verify.check_one(kern, (1, 2, 2, 40, 40), device).ok
+    broken = attngen.Kernel(kern.spec, kern.plan, kern.source, kern.path, _Broken(kern.module, which))
+    result = verify.check_one(broken, (1, 2, 2, 40, 40), device)
+    assert not result.ok
+    err, _, bound = result.errors[which]
+    assert err > bound
+
+
+def test_verify_catches_a_wrong_mask(device, target):
+    """The kernel of one mask checked against the reference of another fails."""
+    causal = _compile(load_spec("attention t { head_dim = 32 mask = q_idx >= kv_idx }"), "fp32", target)
+    window = load_spec("attention t { head_dim = 32 dtype = fp32 mask = q_idx >= kv_idx and q_idx - kv_idx < 30 }")
+    impostor = attngen.Kernel(window, causal.plan, causal.source, causal.path, causal.module)
+    assert not verify.check_one(impostor, (1, 1, 1, 64, 64), device).ok

@@ -1,0 +1,114 @@
+"""Planning: the paper's rule, then the recorded rounding/clamping; pure; errors for what cannot be built."""
+import dataclasses
+import math
+
+import pytest
+
+from attngen.check import load_spec
+from attngen.errors import PlanError
+from attngen.plan import MAX_TILE, MIN_TILE, plan
+from attngen.targets import TARGETS, get_target
+
+
+def _spec(extra="", d=128, dtype="bf16"):
+    return load_spec(f"attention t {{ head_dim = {d} dtype = {dtype} {extra} }}")
+
+
+def test_paper_rule_on_h100_bf16_d128():
+    p = plan(_spec(), "h100")
+    steps = {s.what: s for s in p.steps}
+    # 227 KiB per block, 2 bytes per bf16: M = 116224; B_c = ceil(116224 / 512) = 227; B_r = min(227, 128) = 128
+    assert steps["on-chip memory per block"].value == "M = 116224 elements"
+    assert steps["paper: key tile"].value == "227"
+    assert steps["paper: query tile"].value == "128"
+    assert (p.block_m, p.block_n) == (128, 128)  # 227 rounds down to 128, which is also the cap
+    assert p.head_dim_pad == 128 and p.scale == pytest.approx(128 ** -0.5)
+
+
+def test_paper_rule_on_t4_fp16_d64():
+    p = plan(_spec(d=64, dtype="fp16"), "t4")
+    # 64 KiB / 2 = 32768 elements; B_c = ceil(32768 / 256) = 128; B_r = min(128, 64) = 64
+    steps = {s.what: s.value for s in p.steps}
+    assert steps["paper: key tile"] == "128" and steps["paper: query tile"] == "64"
+    assert (p.block_m, p.block_n) == (64, 128)
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("d", [16, 17, 64, 80, 128, 200, 256])
+def test_every_plan_is_buildable(target, dtype, d):
+    spec = _spec(d=d, dtype=dtype)
+    tgt = get_target(target)
+    if dtype == "bf16" and not tgt.supports_bf16:
+        with pytest.raises(PlanError, match="bf16 needs compute capability 8.0"):
+            plan(spec, target)
+        return
+    p = plan(spec, target)
+    for tile in (p.block_m, p.block_n, p.bwd_block_m, p.bwd_block_n, p.dq_block_m, p.dq_block_n, p.head_dim_pad):
+        assert tile & (tile - 1) == 0 and tile >= MIN_TILE
+    assert max(p.block_m, p.block_n) <= MAX_TILE
+    assert p.head_dim_pad >= d and p.head_dim_pad < 2 * max(d, 16)
+    isz = spec.dtype.itemsize
+    # the pipelined forward fits in the block's shared memory
+    assert p.block_m * p.head_dim_pad * isz + p.num_stages * 2 * p.block_n * p.head_dim_pad * isz <= tgt.smem_per_block
+    assert 1 <= p.num_stages <= 3 and p.num_warps in (4, 8)
+
+
+def test_plan_is_pure():
+    spec = _spec("mask = q_idx >= kv_idx")
+    assert plan(spec, "a100") == plan(spec, "a100")
+    assert plan(spec, "a100") != plan(spec, "h100")
+
+
+def test_overrides_are_recorded():
+    p = plan(_spec("block_m = 32 block_n = 64"), "h100")
+    assert (p.block_m, p.block_n) == (32, 64)
+    assert any(s.what == "BLOCK_M override" for s in p.steps)
+
+
+def test_target_override_beats_spec_target():
+    spec = _spec("target = a100")
+    assert plan(spec).target.name == "a100"
+    assert plan(spec, "h100").target.name == "h100"
+
+
+def test_describe_shows_the_derivation():
+    text = plan(_spec(), "h100").describe()
+    for piece in ["232448 bytes", "B_c = ceil(M / 4d) = ceil(116224 / 512)", "B_r = min(B_c, d) = min(227, 128)", "BLOCK_M=128 BLOCK_N=128"]:
+        assert piece in text
+
+
+def test_unimplemented_features_are_refused_clearly():
+    with pytest.raises(PlanError, match="dropout is not implemented yet"):
+        plan(_spec("dropout = 0.1"), "h100")
+    with pytest.raises(PlanError, match="sparsity = runtime"):
+        plan(_spec("sparsity = runtime"), "h100")
+
+
+def test_unknown_target():
+    with pytest.raises(PlanError, match="unknown target 'x100'"):
+        plan(_spec(), "x100")
+
+
+def test_auto_without_gpu_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: auto resolves to it")
+    with pytest.raises(PlanError, match="target = auto needs a CUDA device"):
+        plan(_spec())
+
+
+def test_static_sparsity_joins_the_mask():
+    spec = _spec("mask = q_idx >= kv_idx sparsity = abs(q_blk - kv_blk) <= 1 sparse_block = 64")
+    p = plan(spec, "h100")
+    from attngen.expr import format_expr
+
+    assert format_expr(p.mask) == "q_idx >= kv_idx and abs(q_idx // 64 - kv_idx // 64) <= 1"
+
+
+def test_derivative_planned_for_score_mods():
+    p = plan(_spec("score = 30.0 * tanh(score / 30.0)"), "h100")
+    assert p.dscore is not None
+    assert dataclasses.replace(p).dscore == p.dscore
+    assert math.isclose(p.scale, 128 ** -0.5)

@@ -1,0 +1,85 @@
+"""Rendering: valid, readable Python; a header with the spec, hash and versions; nothing of the spec's raw text."""
+import ast
+from pathlib import Path
+
+import pytest
+
+from attngen.check import load_spec
+from attngen.plan import plan
+from attngen.render import render, templates_dir, versions
+
+SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)
+@pytest.mark.parametrize("target", ["h100", "a100", "l4"])
+def test_every_spec_renders_to_valid_python(path, target):
+    spec = load_spec(path.read_text(), str(path))
+    if spec.dtype.value == "bf16" and target == "t4":
+        return
+    src = render(plan(spec, target))
+    tree = ast.parse(src)
+    names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert {"attention_forward", "attention_backward", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= names
+    assert ("_attn_fwd" in names) != ("_attn_fwd_kv_outer" in names)
+    assert "do not edit" in src.splitlines()[1]
+    for line in src.splitlines():
+        assert len(line) < 200 and not line.endswith(" "), repr(line)
+
+
+def test_header_carries_spec_hash_versions_and_glossary():
+    spec = load_spec("attention causal { head_dim = 64 mask = q_idx >= kv_idx }")
+    p = plan(spec, "h100")
+    src = render(p)
+    header = src.split("import torch")[0]
+    assert "#   attention causal {" in header and "#       mask = q_idx >= kv_idx" in header
+    assert p.spec_hash[:16] in header
+    v = versions()
+    assert f"triton {v['triton']}" in header and f"torch {v['torch']}" in header and f"attngen {v['attngen']}" in header
+    for word in ("m_i, l_i", "acc", "q_idx, kv_idx", "lse", "delta"):
+        assert word in header
+
+
+def test_dead_branches_are_resolved_by_jinja():
+    plain = render(plan(load_spec("attention t { head_dim = 64 }"), "h100"))
+    assert "keep = kv_idx < kv_len" in plain
+    assert "m_ij_safe" not in plain and "l_safe" not in plain  # no row can be empty without a mask
+    assert "QK_SCALE_LOG2" in plain and "score =" not in plain.split("_attn_fwd(")[1].split("def attention_forward")[0]
+    assert "offs_d[None, :] < HEAD_DIM" not in plain  # 64 needs no padding
+    masked = render(plan(load_spec("attention t { head_dim = 80 mask = q_idx >= kv_idx }"), "h100"))
+    assert "m_ij_safe" in masked and "offs_d[None, :] < HEAD_DIM" in masked
+
+
+def test_fp32_asks_for_ieee_products():
+    src = render(plan(load_spec("attention t { head_dim = 64 dtype = fp32 }"), "h100"))
+    assert src.count('input_precision="ieee"') >= 5
+    assert 'input_precision' not in render(plan(load_spec("attention t { head_dim = 64 }"), "h100"))
+
+
+def test_spec_text_never_reaches_the_source():
+    text = """attention t {   # __import__('os').system('echo pwned')
+        head_dim = 64
+        mask = q_idx >= kv_idx   # ''' \"\"\" ; import os
+    }"""
+    src = render(plan(load_spec(text), "h100"))
+    for evil in ("__import__", "pwned", "import os", "'''"):
+        assert evil not in src
+
+
+def test_input_names_appear_only_as_validated_identifiers():
+    spec = load_spec("attention t { head_dim = 64 input doc_ids: int32[B, N] mask = doc_ids[b, q_idx] == doc_ids[b, kv_idx] }")
+    src = render(plan(spec, "h100"))
+    assert "in_doc_ids_ptr, in_doc_ids_stride_0, in_doc_ids_stride_1, in_doc_ids_size_0, in_doc_ids_size_1" in src
+    assert "def attention_forward(q, k, v, doc_ids):" in src
+
+
+def test_q_only_input_loads_are_hoisted_out_of_the_key_loop():
+    spec = load_spec("attention t { head_dim = 64 input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] }")
+    src = render(plan(spec, "h100"))
+    fwd = src.split("def _attn_fwd(")[1].split("def attention_forward")[0]
+    before_loop, loop = fwd.split("for start_n in range(0, kv_len, BLOCK_N):")
+    assert "q_idx * in_doc_stride_1" in before_loop and "kv_idx * in_doc_stride_1" in loop
+
+
+def test_templates_are_found():
+    assert (templates_dir() / "module.py.jinja").is_file()
