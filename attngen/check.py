@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import difflib
 import keyword
+import os
 import re
+from pathlib import Path
 
 from . import expr as ex
-from .errors import SpecError
+from .errors import AttngenError, SpecError
 from .spec import Const, DType, Expr, InputDecl, INPUT_DTYPES, LoopOrder, Spec, Type, Unary, Var
 from .syntax import ParsedSpec, Setting, parse
 from .targets import TARGETS
@@ -188,3 +190,19 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
 def load_spec(text: str, filename: str | None = None) -> Spec:
     """Parse and check spec text."""
     return build(parse(text, filename), text, filename)
+
+
+def read_spec(spec: Spec | str | os.PathLike) -> Spec:
+    """A Spec from a Spec, a path to a .attn file, or spec text."""
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, os.PathLike) or ("{" not in str(spec)):
+        path = Path(spec)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise AttngenError(f"no such spec file: {path}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise AttngenError(f"cannot read spec file {path}: {err}") from None
+        return load_spec(text, str(path))
+    return load_spec(str(spec), "<string>")

@@ -12,7 +12,7 @@ EXIT_SPEC = 2
 
 
 def _specs(paths: list[str]):
-    from .runtime import read_spec
+    from .check import read_spec
 
     return [read_spec(Path(p)) for p in paths]
 
@@ -41,7 +41,7 @@ def cmd_plan(args) -> int:
 def cmd_build(args) -> int:
     from .cache import write_atomic
     from .plan import plan
-    from .runtime import build_source
+    from .render import build_source
 
     # Everything is planned and rendered before anything is written: an error leaves the directory as it was.
     outputs = []

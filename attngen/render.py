@@ -132,6 +132,17 @@ def context(plan: KernelPlan) -> dict:
     }
 
 
+def build_source(plan: KernelPlan) -> tuple[str, str]:
+    """(cache key, generated source) of a plan. The key covers the spec, the plan, the templates and the
+    attngen/triton/torch versions."""
+    from .cache import cache_key
+
+    source = render(plan)
+    ver = versions()
+    key = cache_key(format_spec(plan.spec), repr(plan), templates_digest(), ver["attngen"], ver["triton"], ver["torch"])
+    return key, source
+
+
 def render(plan: KernelPlan) -> str:
     """The generated module's source text."""
     try:

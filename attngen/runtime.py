@@ -12,11 +12,10 @@ from types import ModuleType
 import torch
 
 from . import cache
-from .canonical import format_spec
-from .check import load_spec
-from .errors import AttngenError, InputError
-from .plan import KernelPlan, plan as make_plan
-from .render import render, templates_digest, versions
+from .check import read_spec
+from .errors import InputError
+from .plan import KernelPlan, plan as make_plan  # noqa: F401 - KernelPlan is part of Kernel's interface
+from .render import build_source
 from .spec import Spec
 
 _TORCH_DTYPES = {
@@ -35,22 +34,6 @@ _modules: dict[str, ModuleType] = {}
 _lock = threading.Lock()
 
 
-def read_spec(spec: Spec | str | os.PathLike) -> Spec:
-    """A Spec from a Spec, a path to a .attn file, or spec text."""
-    if isinstance(spec, Spec):
-        return spec
-    if isinstance(spec, os.PathLike) or ("{" not in str(spec)):
-        path = Path(spec)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise AttngenError(f"no such spec file: {path}") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise AttngenError(f"cannot read spec file {path}: {err}") from None
-        return load_spec(text, str(path))
-    return load_spec(str(spec), "<string>")
-
-
 def _import(path: Path, key: str) -> ModuleType:
     name = f"attngen_generated_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -58,14 +41,6 @@ def _import(path: Path, key: str) -> ModuleType:
     sys.modules[name] = module  # Triton resolves a kernel's globals and source through its module
     spec.loader.exec_module(module)
     return module
-
-
-def build_source(kernel_plan: KernelPlan) -> tuple[str, str]:
-    """(cache key, generated source) of a plan."""
-    source = render(kernel_plan)
-    ver = versions()
-    key = cache.cache_key(format_spec(kernel_plan.spec), repr(kernel_plan), templates_digest(), ver["attngen"], ver["triton"], ver["torch"])
-    return key, source
 
 
 @dataclass(frozen=True)

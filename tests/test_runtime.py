@@ -1,0 +1,83 @@
+"""Call-time checks, compile() inputs, and the API contract of the kernel object."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen.errors import AttngenError, InputError, SpecError
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def padded(target):
+    return attngen.compile(ROOT / "specs" / "key_padding.attn", target)
+
+
+def _qkv(b=2, hq=4, hkv=2, nq=9, nk=11, d=64, dtype=torch.bfloat16):
+    return torch.randn(b, hq, nq, d).to(dtype), torch.randn(b, hkv, nk, d).to(dtype), torch.randn(b, hkv, nk, d).to(dtype)
+
+
+def test_compile_accepts_path_text_and_spec(target):
+    a = attngen.compile(str(ROOT / "specs" / "causal.attn"), target)
+    b = attngen.compile((ROOT / "specs" / "causal.attn").read_text(), target)
+    c = attngen.compile(a.spec, target)
+    assert a.spec == b.spec == c.spec and a.source == b.source == c.source
+    assert a.path.is_file() and a.path.read_text() == a.source
+    assert a.plan.target.name == (target if target != "auto" else a.plan.target.name)
+    assert "_attn_fwd" in a.source and "m_i" in a.source and "offs_m" in a.source
+
+
+def test_compile_errors():
+    with pytest.raises(AttngenError, match="no such spec file: nowhere.attn"):
+        attngen.compile("nowhere.attn", "h100")
+    with pytest.raises(SpecError, match=r"<string>:1:\d+: error: head_dim = 7"):
+        attngen.compile("attention t { head_dim = 7 }", "h100")
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda q, k, v, i: (q.float(), k, v, i), "q is torch.float32, the spec 'key_padding' says dtype = bf16"),
+        (lambda q, k, v, i: (q[0], k, v, i), "q must be 4-D"),
+        (lambda q, k, v, i: (q[..., :32], k, v, i), "q has head_dim 32, the spec says 64"),
+        (lambda q, k, v, i: (q, k, v[:, :, :5], i), "k and v must have the same shape"),
+        (lambda q, k, v, i: (q[:, :3], k, v, i), r"query heads \(3\) must be a multiple of key/value heads \(2\)"),
+        (lambda q, k, v, i: (q, k[:1], v[:1], i), "q has batch 2, k and v have 1"),
+        (lambda q, k, v, i: (q, k, v, {}), "missing input 'lens'"),
+        (lambda q, k, v, i: (q, k, v, {**i, "doc": i["lens"]}), r"unexpected argument\(s\) doc"),
+        (lambda q, k, v, i: (q, k, v, {"lens": i["lens"].long()}), "input 'lens' is torch.int64, declared int32"),
+        (lambda q, k, v, i: (q, k, v, {"lens": i["lens"][None]}), "input 'lens' has 2 dimension"),
+        (lambda q, k, v, i: (q, k, v, {"lens": i["lens"][:1]}), r"input 'lens' dimension 0 \(B\) is 1, but B is 2"),
+        (lambda q, k, v, i: (q, k, v, {"lens": [3, 4]}), "input 'lens' must be a torch.Tensor"),
+    ],
+)
+def test_bad_calls_say_what_was_expected(padded, mutate, message):
+    q, k, v = _qkv()
+    q, k, v, inputs = mutate(q, k, v, {"lens": torch.tensor([3, 11], dtype=torch.int32)})
+    with pytest.raises(InputError, match=message):
+        padded(q, k, v, **inputs)
+
+
+def test_direct_index_out_of_range_is_refused(target):
+    kern = attngen.compile(ROOT / "specs" / "document.attn", target)
+    q, k, v = _qkv(nq=20, nk=8)
+    with pytest.raises(InputError, match="indexed by q_idx on dimension 1, which has size 10; q_idx goes up to 19"):
+        kern(q, k, v, doc=torch.zeros(2, 10, dtype=torch.int32))
+
+
+def test_cpu_tensors_need_the_interpreter(padded, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = _qkv()
+    with pytest.raises(InputError, match="set TRITON_INTERPRET=1"):
+        padded(q, k, v, lens=torch.tensor([1, 2], dtype=torch.int32))
+
+
+def test_reference_accepts_a_kernel_and_inputs(padded):
+    q, k, v = (t.double() for t in _qkv())
+    lens = torch.tensor([0, 4], dtype=torch.int32)
+    out, lse = attngen.reference(padded, q, k, v, lens=lens, return_lse=True)
+    assert out.dtype == torch.float64 and torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    manual = torch.softmax((q[1] @ k[1].repeat_interleave(2, 0)[:, :4].transpose(-1, -2)) / 8.0, -1) @ v[1].repeat_interleave(2, 0)[:, :4]
+    assert torch.allclose(out[1], manual)
