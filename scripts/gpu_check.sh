@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent H100 (device tool): installs the carried lark wheel, then checks every spec against the
-# float64 reference in bf16, fp16 and fp32, then runs the test suite on CUDA. Output goes to $OUT.
+# float64 reference in bf16, fp16 and fp32 (check), runs the test suite on CUDA (tests), or times the
+# kernels against SDPA and FlexAttention (bench). Output goes to $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -9,6 +10,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/dev
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
 case "${1:-check}" in
   check) python3 -m attngen check specs/*.attn --device cuda --dtype bf16 --dtype fp16 --dtype fp32 2>&1 | tee "$OUT/check.txt" ;;
-  tests) python3 -m pytest -q -x --device cuda tests 2>&1 | tee "$OUT/pytest.txt" ;;
-  *) echo "usage: $0 [check|tests]"; exit 2 ;;
+  # test_wheel builds a wheel, which needs PyPI (hatchling): the GPU machine has no network.
+  tests) python3 -m pytest -q --device cuda tests --ignore=tests/test_wheel.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" ;;
+  bench) python3 benchmarks/quick.py --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.txt" ;;
+  *) echo "usage: $0 [check|tests|bench]"; exit 2 ;;
 esac
