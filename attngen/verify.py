@@ -7,8 +7,10 @@ the output, 3 for the gradients), plus a floor of FLOOR_ULPS float32 ulps of the
 gradients the magnitude is that of the terms, not of the result, and a float32 dot product's rounding grows
 with the sum of the absolute values of its products: dQ and dK come from dP - delta, a cancellation of two
 float32 sums of size scale * (|dO| |V|^T) * |K| (with a single key the true dQ is exactly 0, which the kernel
-reaches only to float32 rounding); and the backward recomputes P from a recomputed score, whose error is
-eps * scale * (|Q| |K|^T), and which reaches dV multiplied by |dO|. The log-sum-exp is float32 from the same products, so it gets
+reaches only to float32 rounding); and the backward recomputes P = exp2(s - lse) from a recomputed score,
+whose error is eps * scale * (|Q| |K|^T), and from the saved float32 row log-sum-exp, whose error is
+eps * |lse| (large when a score modification makes scores large, as ALiBi does over long distances); both
+reach dV multiplied by |dO|. The log-sum-exp is float32 from the same products, so it gets
 a relative bound (LSE_RTOL) and must be -inf exactly where the reference's is. Any NaN fails.
 """
 from __future__ import annotations
@@ -109,21 +111,23 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
         grads = torch.autograd.grad(out, leaves, do)
         ref_grads = [g.cpu() for g in torch.autograd.grad(ref, wide, do.double())]
         naive_grads = torch.autograd.grad(naive, naive_leaves, do)
-        terms = _gradient_terms(spec.softmax_scale, *(t.detach() for t in wide), do.double(), group)
+        lse_peak = ref_lse[finite].abs().max().item() if finite.any() else 0.0
+        terms = _gradient_terms(spec.softmax_scale, *(t.detach() for t in wide), do.double(), group, lse_peak)
         for name, g, rg, ng in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
             res.nan |= bool(torch.isnan(g).any())
             res.errors[name] = _bound(g.cpu(), ng.cpu(), rg, 3, terms)
     return res
 
 
-def _gradient_terms(scale: float, q, k, v, do, group: int) -> float:
-    """The largest magnitude among the terms the backward sums: scale*(|dO| |V|^T)*|Q or K| and scale*(|Q| |K|^T)*|dO|."""
+def _gradient_terms(scale: float, q, k, v, do, group: int, lse_peak: float) -> float:
+    """The largest magnitude among the terms the backward sums: scale*(|dO| |V|^T)*|Q or K| and
+    (scale*(|Q| |K|^T) + |lse|) * |dO|."""
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
     q, k, v, do = q.abs(), k.abs().repeat_interleave(group, dim=1), v.abs().repeat_interleave(group, dim=1), do.abs()
     dp = (do @ v.transpose(-1, -2)).max().item()
     score = scale * (q @ k.transpose(-1, -2)).max().item()
-    return max(scale * dp * max(q.max().item(), k.max().item()), score * do.max().item())
+    return max(scale * dp * max(q.max().item(), k.max().item()), (score + lse_peak) * do.max().item())
 
 
 def _bound(got: torch.Tensor, naive: torch.Tensor, ref: torch.Tensor, factor: int, terms: float = 0.0) -> tuple[float, float, float]:

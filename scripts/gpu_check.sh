@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run on the lent H100 (device tool): installs the carried lark wheel, then checks every spec against the
+# Run on the lent H100 (device tool): installs the carried wheels (lark, pytest-xdist, execnet), then checks every spec against the
 # float64 reference in bf16, fp16 and fp32 (check), runs the test suite on CUDA (tests), or times the
 # kernels against SDPA and FlexAttention (bench). Output goes to $OUT.
 set -uo pipefail
@@ -11,7 +11,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 case "${1:-check}" in
   check) python3 -m attngen check specs/*.attn --device cuda --dtype bf16 --dtype fp16 --dtype fp32 2>&1 | tee "$OUT/check.txt" ;;
   # test_wheel builds a wheel, which needs PyPI (hatchling): the GPU machine has no network.
-  tests) python3 -m pytest -q --device cuda tests --ignore=tests/test_wheel.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" ;;
+  # Triton compiles on the CPU: 8 workers share the GPU (pytest-xdist and execnet are carried as wheels).
+  tests) python3 -m pytest -q -n 8 --device cuda tests --ignore=tests/test_wheel.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" ;;
   bench) python3 benchmarks/quick.py --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.txt" ;;
   *) echo "usage: $0 [check|tests|bench]"; exit 2 ;;
 esac
