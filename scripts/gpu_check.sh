@@ -12,7 +12,9 @@ case "${1:-check}" in
   check) python3 -m attngen check specs/*.attn --device cuda 2>&1 | tee "$OUT/check.txt" ;;
   # test_wheel builds a wheel, which needs PyPI (hatchling): the GPU machine has no network.
   # Triton compiles on the CPU: 8 workers share the GPU (pytest-xdist and execnet are carried as wheels).
-  tests) python3 -m pytest -q -n 8 --device cuda tests --ignore=tests/test_wheel.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" ;;
+  # Failures are also appended to $OUT/failures.txt as they happen (a run cut off at its limit keeps them).
+  tests) ATTNGEN_FAILURE_LOG=$OUT/failures.txt python3 -m pytest -q -n 8 --device cuda -p no:cacheprovider -p no:benchmark \
+           "${@:2}" 2>&1 | tee "$OUT/pytest.txt" ;;
   bench) python3 benchmarks/quick.py --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.txt" ;;
   *) echo "usage: $0 [check|tests|bench]"; exit 2 ;;
 esac

@@ -20,6 +20,14 @@ def pytest_configure(config):
     os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-test-cache-")
 
 
+def pytest_runtest_logreport(report):
+    """With ATTNGEN_FAILURE_LOG set, append each failure's report as it happens (for runs that may be cut off)."""
+    path = os.environ.get("ATTNGEN_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(scope="session")
 def device(request) -> str:
     dev = request.config.getoption("--device")

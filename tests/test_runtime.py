@@ -15,8 +15,17 @@ def padded(target):
     return attngen.compile(ROOT / "specs" / "key_padding.attn", target)
 
 
+_DEVICE = ["cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _on_device(device):
+    _DEVICE[0] = device
+
+
 def _qkv(b=2, hq=4, hkv=2, nq=9, nk=11, d=64, dtype=torch.bfloat16):
-    return torch.randn(b, hq, nq, d).to(dtype), torch.randn(b, hkv, nk, d).to(dtype), torch.randn(b, hkv, nk, d).to(dtype)
+    dev = _DEVICE[0]
+    return tuple(torch.randn(b, h, n, d).to(device=dev, dtype=dtype) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
 
 
 def test_compile_accepts_path_text_and_spec(target):
@@ -55,7 +64,7 @@ def test_compile_errors():
 )
 def test_bad_calls_say_what_was_expected(padded, mutate, message):
     q, k, v = _qkv()
-    q, k, v, inputs = mutate(q, k, v, {"lens": torch.tensor([3, 11], dtype=torch.int32)})
+    q, k, v, inputs = mutate(q, k, v, {"lens": torch.tensor([3, 11], dtype=torch.int32, device=q.device)})
     with pytest.raises(InputError, match=message):
         padded(q, k, v, **inputs)
 
@@ -64,18 +73,18 @@ def test_direct_index_out_of_range_is_refused(target):
     kern = attngen.compile(ROOT / "specs" / "document.attn", target)
     q, k, v = _qkv(nq=20, nk=8)
     with pytest.raises(InputError, match="indexed by q_idx on dimension 1, which has size 10; q_idx goes up to 19"):
-        kern(q, k, v, doc=torch.zeros(2, 10, dtype=torch.int32))
+        kern(q, k, v, doc=torch.zeros(2, 10, dtype=torch.int32, device=q.device))
 
 
 def test_cpu_tensors_need_the_interpreter(padded, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    q, k, v = _qkv()
+    q, k, v = (t.cpu() for t in _qkv())
     with pytest.raises(InputError, match="set TRITON_INTERPRET=1"):
         padded(q, k, v, lens=torch.tensor([1, 2], dtype=torch.int32))
 
 
 def test_reference_accepts_a_kernel_and_inputs(padded):
-    q, k, v = (t.double() for t in _qkv())
+    q, k, v = (t.double().cpu() for t in _qkv())
     lens = torch.tensor([0, 4], dtype=torch.int32)
     out, lse = attngen.reference(padded, q, k, v, lens=lens, return_lse=True)
     assert out.dtype == torch.float64 and torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
