@@ -22,7 +22,7 @@ def __getattr__(name):
         from .naive import reference
 
         return reference
-    if name in ("load_spec", "parse_spec"):
+    if name == "load_spec":
         from .check import load_spec
 
         return load_spec

@@ -84,11 +84,11 @@ def _choice(s: Setting, options: tuple[str, ...]) -> str:
     return w
 
 
-def _check_input(decl: InputDecl, dtype_span) -> None:
+def _check_input(decl: InputDecl) -> None:
     if not _IDENT.match(decl.name) or decl.name in RESERVED:
         raise SpecError(f"{decl.name!r} cannot name an input (reserved word or not an identifier)", decl.span)
     if decl.dtype not in INPUT_DTYPES:
-        raise SpecError(f"input element type must be one of: {_names(INPUT_DTYPES)}; got {decl.dtype!r}" + _suggest(decl.dtype, INPUT_DTYPES), dtype_span)
+        raise SpecError(f"input element type must be one of: {_names(INPUT_DTYPES)}; got {decl.dtype!r}" + _suggest(decl.dtype, INPUT_DTYPES), decl.dtype_span)
     for d in decl.dims:
         if isinstance(d, int) and d <= 0:
             raise SpecError(f"dimension sizes of {decl.name!r} must be positive, got {d}", decl.span)
@@ -126,8 +126,8 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
         seen[s.key] = s
 
     inputs: dict[str, InputDecl] = {}
-    for decl, dtype_span in ((d, None) for d in parsed.inputs):
-        _check_input(decl, dtype_span or decl.span)
+    for decl in parsed.inputs:
+        _check_input(decl)
         if decl.name in inputs:
             raise SpecError(f"input {decl.name!r} is declared twice", decl.span)
         inputs[decl.name] = decl
@@ -183,8 +183,7 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
             sp = _expression(s, scope, Type.BOOL)
             values["sparsity"] = None if sp == Const(True, Type.BOOL) else sp
 
-    spans = tuple((k, s.value.span) for k, s in seen.items())
-    return Spec(name=parsed.name, inputs=tuple(inputs.values()), text=text, filename=filename, spans=spans, **values)
+    return Spec(name=parsed.name, inputs=tuple(inputs.values()), text=text, filename=filename, **values)
 
 
 def load_spec(text: str, filename: str | None = None) -> Spec:

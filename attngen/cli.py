@@ -60,10 +60,13 @@ def cmd_build(args) -> int:
 def cmd_check(args) -> int:
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by attngen.runtime)
+    from dataclasses import replace
+
     import torch
 
     from . import verify
     from .runtime import compile as compile_spec
+    from .spec import DType
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("attngen check: --device cuda but no CUDA device is visible", file=sys.stderr)
@@ -76,10 +79,6 @@ def cmd_check(args) -> int:
         dtypes = args.dtype or ([spec.dtype.value] if args.device == "cuda" or spec.dtype.value != "bf16" else ["fp16"])
         results = []
         for dtype in dtypes:
-            from dataclasses import replace
-
-            from .spec import DType
-
             kernel = compile_spec(replace(spec, dtype=DType(dtype)), args.target or ("h100" if args.device == "cpu" else None))
             for shape in shapes:
                 results.append(verify.check_one(kernel, shape, args.device))

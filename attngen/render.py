@@ -49,6 +49,7 @@ def _env() -> jinja2.Environment:
     )
 
 
+@functools.lru_cache(maxsize=1)
 def templates_digest() -> str:
     """sha256 over every template file: part of the cache key, so editing a template invalidates the cache."""
     h = hashlib.sha256()

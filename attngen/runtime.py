@@ -14,9 +14,11 @@ import torch
 from . import cache
 from .check import read_spec
 from .errors import InputError
-from .plan import KernelPlan, plan as make_plan  # noqa: F401 - KernelPlan is part of Kernel's interface
+from .expr import children
+from .plan import KernelPlan, effective_mask
+from .plan import plan as make_plan
 from .render import build_source
-from .spec import Spec
+from .spec import Index, Spec, Var
 
 _TORCH_DTYPES = {
     "bool": torch.bool,
@@ -61,6 +63,7 @@ class Kernel:
         self.source = source
         self.path = path
         self.module = module
+        self._direct_indices = _direct_indices(spec)
 
     def __repr__(self) -> str:
         return f"<attngen.Kernel {self.spec.name} target={self.plan.target.name} file={self.path}>"
@@ -127,25 +130,12 @@ class Kernel:
 
     def _check_direct_indices(self, dims: _Dims, tensors: dict[str, torch.Tensor]) -> None:
         """An input dimension indexed directly by q_idx (kv_idx, b, h) must cover every value it takes."""
-        from .expr import children
-        from .plan import effective_mask
-        from .spec import Index, Var
-
         limits = {"q_idx": ("q_len", dims.q_len), "kv_idx": ("kv_len", dims.kv_len), "b": ("batch", dims.batch), "h": ("query heads", dims.heads)}
-        stack = [e for e in (effective_mask(self.spec), self.spec.score) if e is not None]
-        while stack:
-            e = stack.pop()
-            stack.extend(children(e))
-            if isinstance(e, Index):
-                t = tensors[e.input]
-                for axis, idx in enumerate(e.indices):
-                    if isinstance(idx, Var) and idx.name in limits:
-                        what, n = limits[idx.name]
-                        if t.shape[axis] < n:
-                            raise InputError(
-                                f"input {e.input!r} is indexed by {idx.name} on dimension {axis}, which has size {t.shape[axis]}; "
-                                f"{idx.name} goes up to {n - 1} ({what} = {n})"
-                            )
+        for name, axis, var in self._direct_indices:
+            what, n = limits[var]
+            size = tensors[name].shape[axis]
+            if size < n:
+                raise InputError(f"input {name!r} is indexed by {var} on dimension {axis}, which has size {size}; {var} goes up to {n - 1} ({what} = {n})")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, **inputs: torch.Tensor):
         dims, tensors = self._check(q, k, v, inputs)
@@ -153,6 +143,20 @@ class Kernel:
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
+
+
+def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
+    """(input, axis, variable) for every input dimension the spec indexes with a bare b, h, q_idx or kv_idx."""
+    found = []
+    stack = [e for e in (effective_mask(spec), spec.score) if e is not None]
+    while stack:
+        e = stack.pop()
+        stack.extend(children(e))
+        if isinstance(e, Index):
+            for axis, idx in enumerate(e.indices):
+                if isinstance(idx, Var) and idx.name in ("b", "h", "q_idx", "kv_idx") and (e.input, axis, idx.name) not in found:
+                    found.append((e.input, axis, idx.name))
+    return found
 
 
 class _AttentionFunction(torch.autograd.Function):

@@ -115,6 +115,7 @@ class InputDecl:
     dtype: str  # a key of INPUT_DTYPES
     dims: tuple[str | int, ...]
     span: Span | None = _span()
+    dtype_span: Span | None = _span()
 
     @property
     def type(self) -> Type:
@@ -140,17 +141,7 @@ class Spec:
     # Where the spec came from (for error messages); not part of its meaning.
     text: str | None = field(default=None, compare=False, repr=False)
     filename: str | None = field(default=None, compare=False, repr=False)
-    spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else self.head_dim ** -0.5
-
-    def input(self, name: str) -> InputDecl:
-        for decl in self.inputs:
-            if decl.name == name:
-                return decl
-        raise KeyError(name)
-
-    def span_of(self, key: str) -> Span | None:
-        return dict(self.spans).get(key)

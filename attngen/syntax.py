@@ -40,12 +40,6 @@ def _tree_span(meta) -> Span:
     return Span(meta.line, meta.column, meta.end_line, meta.end_column)
 
 
-def _span_of(node) -> Span:
-    if isinstance(node, Token):
-        return _tok_span(node)
-    return node.span
-
-
 @v_args(meta=True)
 class _ToAst(Transformer):
     """Bottom-up: every expression rule becomes an Expr node with its span."""
@@ -106,12 +100,12 @@ class _ToAst(Transformer):
 
     def input_decl(self, meta, c):
         name, dtype, *dims = c
-        return ("input", InputDecl(str(name), str(dtype), tuple(dims), span=_tok_span(name)), _tok_span(dtype))
+        return InputDecl(str(name), str(dtype), tuple(dims), span=_tok_span(name), dtype_span=_tok_span(dtype))
 
     def attention(self, meta, c):
         name, *items = c
         settings = tuple(i for i in items if isinstance(i, Setting))
-        inputs = tuple(i for i in items if isinstance(i, tuple))
+        inputs = tuple(i for i in items if isinstance(i, InputDecl))
         return name, settings, inputs
 
     def start(self, meta, c):
@@ -191,5 +185,5 @@ def parse(text: str, filename: str | None = None) -> ParsedSpec:
         name=str(name),
         name_span=_tok_span(name),
         settings=settings,
-        inputs=tuple(decl for _, decl, _ in inputs),
+        inputs=inputs,
     )
