@@ -31,10 +31,23 @@ def cmd_targets(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from .intervals import TileClass, classify_tiles, tile_counts, tile_map
     from .plan import plan
 
     for spec in _specs(args.spec):
-        print(plan(spec, args.target).describe())
+        p = plan(spec, args.target)
+        print(p.describe())
+        if args.seq:
+            q_len, kv_len = args.seq, args.kv_seq or args.seq
+            classes = classify_tiles(p.mask, q_len, kv_len, p.block_m, p.block_n)
+            counts = tile_counts(classes)
+            total = sum(counts.values())
+            print(f"\ntile classes at q_len={q_len}, kv_len={kv_len} (BLOCK_M={p.block_m} x BLOCK_N={p.block_n}; "
+                  f"rows: query tiles, columns: key tiles; # full, + partial, . empty):")
+            print(tile_map(classes))
+            print(f"full {counts[TileClass.FULL]}, partial {counts[TileClass.PARTIAL]}, empty {counts[TileClass.EMPTY]} "
+                  f"of {total} tiles; {100 * (total - counts[TileClass.EMPTY]) / total:.1f}% must be visited")
+            print("(what the interval analysis proves at compile time; the kernels do not skip tiles yet)")
     return 0
 
 
@@ -102,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="print the tiling plan and its derivation from the target's SRAM")
     p.add_argument("spec", nargs="+")
     p.add_argument("--target", default=None, help="GPU name (default: the spec's target)")
+    p.add_argument("--seq", type=int, default=None, help="also print the tile-class map for this query length")
+    p.add_argument("--kv-seq", type=int, default=None, help="key length for the map (default: --seq)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("targets", help="list the known GPUs")

@@ -42,6 +42,13 @@ def test_plan_prints_the_derivation(capsys):
     assert "B_c = ceil(M / 4d) = ceil(116224 / 512)  =>  227" in out and "BLOCK_M=128 BLOCK_N=128" in out
 
 
+def test_plan_draws_the_tile_map(capsys):
+    assert main(["plan", str(ROOT / "specs" / "causal.attn"), "--target", "h100", "--seq", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "+...\n#+..\n##+.\n###+\n" in out
+    assert "full 6, partial 4, empty 6 of 16 tiles; 62.5% must be visited" in out
+
+
 def test_targets_lists_the_table(capsys):
     assert main(["targets", "-v"]) == 0
     out = capsys.readouterr().out
