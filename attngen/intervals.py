@@ -534,3 +534,135 @@ def tile_counts(classes: list[list[TileClass]]) -> dict[TileClass, int]:
         for c in row:
             counts[c] += 1
     return counts
+
+
+# ---- the same analysis, as Triton code evaluated per tile inside the kernels --------------------------------
+@dataclass
+class TileClassCode:
+    """Scalar Triton statements computing, for one tile, whether the mask can be false (`may_drop`) and
+    whether it can be true (`may_keep`). Integer arithmetic only: every bound is exact in int32."""
+
+    stmts: list[str]
+    may_drop: str
+    may_keep: str
+
+
+class _TileLowerer:
+    """Lowers `evaluate` to Triton scalar code. Variables: q_idx in [q_lo, q_hi], kv_idx in [kv_lo, kv_hi]; b,
+    h, q_len, kv_len are exact. Subexpressions involving inputs or floats are unknown (None)."""
+
+    def __init__(self, scope):
+        self.scope = scope
+        self.stmts: list[str] = []
+        self.n = 0
+
+    def _new(self, code: str) -> str:
+        name = f"t{self.n}"
+        self.n += 1
+        self.stmts.append(f"{name} = {code}")
+        return name
+
+    def number(self, e: Expr):
+        """(lo, hi) code for an integer expression, or None when unknown."""
+        from .expr import typeof
+
+        if typeof(e, self.scope) is not Type.INT:
+            return None
+        if isinstance(e, Const):
+            return repr(e.value), repr(e.value)
+        if isinstance(e, Var):
+            return {"q_idx": ("q_lo", "q_hi"), "kv_idx": ("kv_lo", "kv_hi")}.get(e.name, (e.name, e.name))
+        if isinstance(e, Index):
+            return None
+        if isinstance(e, Unary):
+            a = self.number(e.operand)
+            return None if a is None else (self._new(f"-{a[1]}"), self._new(f"-{a[0]}"))
+        if isinstance(e, Binary):
+            a, b = self.number(e.lhs), self.number(e.rhs)
+            if a is None or b is None:
+                return None
+            if e.op == "+":
+                return self._new(f"{a[0]} + {b[0]}"), self._new(f"{a[1]} + {b[1]}")
+            if e.op == "-":
+                return self._new(f"{a[0]} - {b[1]}"), self._new(f"{a[1]} - {b[0]}")
+            if e.op == "*":
+                products = [self._new(f"{x} * {y}") for x in a for y in b]
+                lo = hi = products[0]
+                for p in products[1:]:
+                    lo, hi = self._new(f"tl.minimum({lo}, {p})"), self._new(f"tl.maximum({hi}, {p})")
+                return lo, hi
+            positive = isinstance(e.rhs, Const) and e.rhs.value > 0
+            if e.op == "//" and positive:  # monotone: floor(lo / c), floor(hi / c)
+                return self._new(f"_floordiv({a[0]}, {e.rhs.value})"), self._new(f"_floordiv({a[1]}, {e.rhs.value})")
+            if e.op == "%" and positive:
+                c = e.rhs.value
+                same = self._new(f"_floordiv({a[0]}, {c}) == _floordiv({a[1]}, {c})")  # within one period
+                return (self._new(f"tl.where({same}, _mod({a[0]}, {c}), 0)"), self._new(f"tl.where({same}, _mod({a[1]}, {c}), {c - 1})"))
+            return None
+        if isinstance(e, Call):
+            if e.func in ("min", "max"):
+                args = [self.number(x) for x in e.args]
+                if any(x is None for x in args):
+                    return None
+                fn = "tl.minimum" if e.func == "min" else "tl.maximum"
+                lo, hi = args[0]
+                for x in args[1:]:
+                    lo, hi = self._new(f"{fn}({lo}, {x[0]})"), self._new(f"{fn}({hi}, {x[1]})")
+                return lo, hi
+            if e.func == "abs":
+                a = self.number(e.args[0])
+                if a is None:
+                    return None
+                lo = self._new(f"tl.where({a[0]} >= 0, {a[0]}, tl.where({a[1]} <= 0, -{a[1]}, 0))")
+                hi = self._new(f"tl.maximum(tl.abs({a[0]}), tl.abs({a[1]}))")
+                return lo, hi
+            if e.func == "where":
+                c = self.boolean(e.args[0])
+                a, b = self.number(e.args[1]), self.number(e.args[2])
+                if a is None or b is None:
+                    return None
+                # hull of both branches, narrowed to one when the condition is decided
+                lo = self._new(f"tl.where(~{c[0]}, {a[0]}, tl.where(~{c[1]}, {b[0]}, tl.minimum({a[0]}, {b[0]})))")
+                hi = self._new(f"tl.where(~{c[0]}, {a[1]}, tl.where(~{c[1]}, {b[1]}, tl.maximum({a[1]}, {b[1]})))")
+                return lo, hi
+        return None
+
+    def boolean(self, e: Expr) -> tuple[str, str]:
+        """(may be false, may be true) code for a boolean expression; ("True", "True") when unknown."""
+        unknown = ("True", "True")
+        if isinstance(e, Const) and e.type is Type.BOOL:
+            return ("False", "True") if e.value else ("True", "False")
+        if isinstance(e, Unary) and e.op == "not":
+            f, t = self.boolean(e.operand)
+            return t, f
+        if isinstance(e, Binary) and e.op in ("and", "or"):
+            (af, at), (bf, bt) = self.boolean(e.lhs), self.boolean(e.rhs)
+            if e.op == "and":
+                return self._new(f"{af} | {bf}"), self._new(f"{at} & {bt}")
+            return self._new(f"{af} & {bf}"), self._new(f"{at} | {bt}")
+        if isinstance(e, Binary) and e.op in ("<", "<=", ">", ">=", "==", "!="):
+            a, b = self.number(e.lhs), self.number(e.rhs)
+            if a is None or b is None:
+                return unknown
+            (alo, ahi), (blo, bhi) = a, b
+            rule = {
+                "<": (f"{ahi} >= {blo}", f"{alo} < {bhi}"),
+                "<=": (f"{ahi} > {blo}", f"{alo} <= {bhi}"),
+                ">": (f"{alo} <= {bhi}", f"{ahi} > {blo}"),
+                ">=": (f"{alo} < {bhi}", f"{ahi} >= {blo}"),
+            }
+            if e.op in rule:
+                return tuple(self._new(code) for code in rule[e.op])
+            same_point = self._new(f"({alo} == {ahi}) & ({blo} == {bhi}) & ({alo} == {blo})")
+            overlap = self._new(f"({ahi} >= {blo}) & ({bhi} >= {alo})")
+            return (self._new(f"~{same_point}"), overlap) if e.op == "==" else (overlap, self._new(f"~{same_point}"))
+        return unknown
+
+
+def lower_tile_class(mask: Expr, scope) -> TileClassCode | None:
+    """Triton code deciding a tile's class at run time, or None if nothing about the mask is decidable that way."""
+    lowerer = _TileLowerer(scope)
+    may_drop, may_keep = lowerer.boolean(mask)
+    if (may_drop, may_keep) == ("True", "True"):
+        return None
+    return TileClassCode(lowerer.stmts, may_drop, may_keep)

@@ -18,6 +18,7 @@ from . import __version__
 from . import expr as ex
 from .canonical import format_spec
 from .errors import AttngenError
+from .intervals import lower_tile_class
 from .plan import KernelPlan
 from .spec import DType, LoopOrder
 
@@ -109,6 +110,12 @@ def context(plan: KernelPlan) -> dict:
     fwd = _lower_for_kernel(plan, frozenset({"kv_idx", "score"} if q_outer else {"q_idx", "score"}), False, helpers)
     dkdv = _lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers)
     dq = _lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers)
+    tile_class = None
+    if plan.mask is not None:
+        scope = ex.Scope("mask", ex.MASK_VARS, {i.name: i for i in spec.inputs})
+        tile_class = lower_tile_class(plan.mask, scope)
+        if tile_class is not None:
+            helpers |= {h for h in ("_floordiv", "_mod") if any(f"{h}(" in line for line in tile_class.stmts)}
     return {
         "name": spec.name,
         "spec_hash": plan.spec_hash,
@@ -130,6 +137,7 @@ def context(plan: KernelPlan) -> dict:
         "fwd": fwd,
         "dkdv": dkdv,
         "dq": dq,
+        "tile_class": tile_class,
     }
 
 

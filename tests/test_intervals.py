@@ -1,5 +1,6 @@
 """The tile classifier: sound (an ALWAYS or NEVER verdict holds at every index of the tile, checked by brute
 force over thousands of random masks and tiles) and precise on the masks that matter."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,3 +100,67 @@ def test_intervals_basic_rules():
     assert evaluate(Binary("%", x, Const(4, Type.INT)), env) == Interval(0, 3)
     assert evaluate(ex.Call("abs", (x,)), env) == Interval(0, 5)
     assert evaluate(Binary("/", x, x), env) == Interval.everything()  # divisor interval contains 0
+
+
+# ---- the generated in-kernel classifier agrees with this module -------------------------------------------
+def _expected_ranges(classes, length, block):
+    """(lo, full_lo, full_hi, hi) per row of tile classes, as the kernels' _tile_range defines them."""
+    out = []
+    for row in classes:
+        nonempty = [j for j, c in enumerate(row) if c is not TileClass.EMPTY]
+        lo, hi = (nonempty[0], nonempty[-1] + 1) if nonempty else (len(row), len(row))
+        full = [c is TileClass.FULL and (j + 1) * block <= length for j, c in enumerate(row)]
+        run = next((j for j, f in enumerate(full) if f), None)
+        if run is None:
+            out.append((lo, lo, lo, hi))
+            continue
+        end = run
+        while end < len(full) and full[end]:
+            end += 1
+        out.append((lo, run, end, hi))
+    return out
+
+
+@pytest.mark.skipif("not __import__('os').environ.get('TRITON_INTERPRET')", reason="runs generated code in Triton's interpreter")
+@pytest.mark.parametrize("text", [
+    "q_idx >= kv_idx",
+    "q_idx >= kv_idx and q_idx - kv_idx < 40",
+    "q_idx // 32 == kv_idx // 32",
+    "q_idx + kv_len - q_len >= kv_idx",
+    "abs(q_idx - kv_idx) <= 20 or kv_idx < 16",
+])
+def test_kernel_tile_ranges_match_the_classifier(text, tmp_path):
+    import importlib.util
+    import sys
+
+    import attngen
+
+    kern = attngen.compile(f"attention t {{ head_dim = 16 dtype = fp32 mask = {text} block_m = 16 block_n = 16 }}", "h100")
+    path = tmp_path / f"probe_{abs(hash(text))}.py"
+    path.write_text(kern.source + PROBE)  # the probe kernel calls the module's own _tile_range
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    for q_len, kv_len in ((100, 100), (64, 150), (150, 70)):
+        n_rows = -(-q_len // 16)
+        out = torch.zeros(n_rows * 4, dtype=torch.int32)
+        module._probe[(n_rows,)](out, q_len, kv_len, BLOCK=16)
+        got = [tuple(out[4 * i: 4 * i + 4].tolist()) for i in range(n_rows)]
+        want = _expected_ranges(classify_tiles(kern.plan.mask, q_len, kv_len, 16, 16), kv_len, 16)
+        assert got == want, (text, q_len, kv_len)
+
+
+PROBE = """
+
+@triton.jit
+def _probe(Out, q_len, kv_len, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    q_lo = i * BLOCK
+    q_hi = tl.minimum(q_lo + BLOCK, q_len) - 1
+    lo, full_lo, full_hi, hi = _tile_range(q_lo, q_hi, 0, 0, q_len, kv_len, True, BLOCK)
+    tl.store(Out + i * 4 + 0, lo)
+    tl.store(Out + i * 4 + 1, full_lo)
+    tl.store(Out + i * 4 + 2, full_hi)
+    tl.store(Out + i * 4 + 3, hi)
+"""

@@ -29,6 +29,12 @@ VARIANTS = {
     "score_only_where": "attention v { head_dim = 32 score = where(q_idx >= kv_idx, score, score - 4.0) }",
     "head_bias_int_input": "attention v { head_dim = 32 input bias: int32[H] score = score + bias[h] * 0.25 mask = q_idx != kv_idx }",
     "bool_input": "attention v { head_dim = 32 input allowed: bool[B, N] mask = allowed[b, kv_idx] or q_idx == kv_idx }",
+    # small tiles: many empty, full and partial tiles at test lengths (tile skipping and unmasked full tiles)
+    "causal_tiles_16": "attention v { head_dim = 32 mask = q_idx >= kv_idx block_m = 16 block_n = 16 }",
+    "window_tiles_16": "attention v { head_dim = 32 mask = q_idx >= kv_idx and q_idx - kv_idx < 40 block_m = 16 block_n = 16 }",
+    "chunked_tiles_16": "attention v { head_dim = 32 mask = q_idx // 32 == kv_idx // 32 block_m = 16 block_n = 16 }",
+    "prefix_tiles_16": "attention v { head_dim = 32 input prefix: int32[B] mask = q_idx >= kv_idx or kv_idx < prefix[b] block_m = 16 block_n = 16 }",
+    "softcap_bottom_right_tiles_16": "attention v { head_dim = 32 mask = q_idx + kv_len - q_len >= kv_idx score = 10.0 * tanh(score / 10.0) block_m = 16 block_n = 32 }",
 }
 
 
