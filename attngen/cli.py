@@ -47,7 +47,8 @@ def cmd_plan(args) -> int:
             print(tile_map(classes))
             print(f"full {counts[TileClass.FULL]}, partial {counts[TileClass.PARTIAL]}, empty {counts[TileClass.EMPTY]} "
                   f"of {total} tiles; {100 * (total - counts[TileClass.EMPTY]) / total:.1f}% must be visited")
-            print("(what the interval analysis proves at compile time; the kernels do not skip tiles yet)")
+            print("(proved by interval analysis of the mask: the kernels skip empty tiles and run full ones without masking;\n"
+                  " parts of a mask that read inputs are undecided here, so such tiles count as partial)")
     return 0
 
 
