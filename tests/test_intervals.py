@@ -25,9 +25,17 @@ tiles = st.tuples(st.integers(0, 400), st.integers(1, 33), st.integers(0, 400), 
 
 
 def _float_masks():
-    """Masks going through float arithmetic (true division), compared with float constants."""
-    return st.tuples(int_exprs(4), st.integers(1, 9), st.sampled_from(["<", ">=", "=="]), st.floats(-50, 50).map(lambda x: round(x, 2))).map(
-        lambda t: Binary(t[2], Binary("/", t[0], Const(t[1], Type.INT)), Const(t[3], Type.FLOAT)))
+    """Masks going through float arithmetic (true division, then maybe a function), compared with float constants."""
+    def wrap(func, x):
+        if func is None:
+            return x
+        if func in ("sqrt", "log"):  # keep the argument in the domain most of the time; outside it, NaN compares false
+            x = Binary("+", ex.Call("abs", (x,)), Const(1.0, Type.FLOAT))
+        return ex.Call(func, (x,))
+
+    funcs = st.sampled_from([None, "exp", "tanh", "sigmoid", "sqrt", "log"])
+    return st.tuples(int_exprs(4), st.integers(1, 9), funcs, st.sampled_from(["<", ">=", "=="]), st.floats(-50, 50).map(lambda x: round(x, 2))).map(
+        lambda t: Binary(t[3], wrap(t[2], Binary("/", t[0], Const(t[1] * 7, Type.INT))), Const(t[4], Type.FLOAT)))
 
 
 @settings(max_examples=3000, deadline=None)
