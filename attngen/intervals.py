@@ -17,6 +17,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+from .expr import typeof
 from .spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
 
 INF = math.inf
@@ -70,13 +71,6 @@ MAYBE = BoolRange(True, True)
 
 def _mul(a: float, b: float) -> float:
     return 0.0 if a == 0 or b == 0 else a * b
-
-
-def _sub(a: float, b: float) -> float:
-    # inf - inf only arises from unbounded sides, which stay unbounded
-    if math.isinf(a) and math.isinf(b) and (a > 0) == (b > 0):
-        return a
-    return a - b
 
 
 def _is_const(e: Expr) -> bool:
@@ -139,11 +133,11 @@ def _is_float(result: Interval, a: Interval, b: Interval, op: str) -> bool:
 
 
 def _arith(e: Binary, a: Interval, b: Interval) -> Interval:
+    # A non-empty interval never has lo = +inf or hi = -inf, so these sums never meet inf - inf.
     if e.op == "+":
-        return Interval(a.lo + b.lo if not _opposite_infs(a.lo, b.lo) else -INF, a.hi + b.hi if not _opposite_infs(a.hi, b.hi) else INF)
+        return Interval(a.lo + b.lo, a.hi + b.hi)
     if e.op == "-":
-        return Interval(_sub(a.lo, b.hi) if not math.isinf(b.hi) or math.isinf(a.lo) else -INF,
-                        _sub(a.hi, b.lo) if not math.isinf(b.lo) or math.isinf(a.hi) else INF)
+        return Interval(a.lo - b.hi, a.hi - b.lo)
     if e.op == "*":
         products = [_mul(x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
         return Interval(min(products), max(products))
@@ -169,10 +163,6 @@ def _arith(e: Binary, a: Interval, b: Interval) -> Interval:
             return Interval(0, c - 1) if c > 0 else Interval(c + 1, 0)
         return Interval(0, c) if c > 0 else Interval(c, 0)
     raise TypeError(e.op)
-
-
-def _opposite_infs(x: float, y: float) -> bool:
-    return math.isinf(x) and math.isinf(y) and (x > 0) != (y > 0)
 
 
 def _compare(op: str, a: Interval, b: Interval) -> BoolRange:
@@ -349,8 +339,6 @@ class _TileLowerer:
 
     def number(self, e: Expr):
         """(lo, hi) code for an integer expression, or None when unknown."""
-        from .expr import typeof
-
         if typeof(e, self.scope) is not Type.INT:
             return None
         if isinstance(e, Const):
