@@ -160,7 +160,7 @@ def plan(spec: Spec, target: str | Target | None = None) -> KernelPlan:
         bn = spec.block_n
 
     warps = 8 if bm >= 128 or dp >= 256 else 4
-    steps.append(Step("num_warps", f"8 if BLOCK_M >= 128 or d_pad >= 256 else 4", f"{warps}"))
+    steps.append(Step("num_warps", "8 if BLOCK_M >= 128 or d_pad >= 256 else 4", f"{warps}"))
     # Live in registers per program: acc (BM x d_pad fp32), the score tile (BM x BN fp32) and the query tile.
     while True:
         live = bm * dp + bm * bn + bm * dp * isz // 4

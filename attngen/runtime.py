@@ -36,7 +36,7 @@ _modules: dict[str, ModuleType] = {}
 _lock = threading.Lock()
 
 
-def _import(path: Path, key: str) -> ModuleType:
+def _import(path: Path) -> ModuleType:
     name = f"attngen_generated_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -195,6 +195,6 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
         module = _modules.get(key)
         if module is None:
             path = cache.store(spec_obj.name, key, source, Path(cache_dir) if cache_dir else None)
-            module = _import(path, key)
+            module = _import(path)
             _modules[key] = module
     return Kernel(spec_obj, kernel_plan, source, Path(module.__file__), module)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from lark import Lark, Token, Transformer, Tree, v_args
+from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from .errors import Span, SpecSyntaxError
