@@ -320,6 +320,7 @@ class TileClassCode:
     stmts: list[str]
     may_drop: str
     may_keep: str
+    helpers: set[str]  # generated helper functions the statements call (names of expr.HELPERS)
 
 
 class _TileLowerer:
@@ -329,6 +330,7 @@ class _TileLowerer:
     def __init__(self, scope):
         self.scope = scope
         self.stmts: list[str] = []
+        self.helpers: set[str] = set()
         self.n = 0
 
     def _new(self, code: str) -> str:
@@ -366,9 +368,11 @@ class _TileLowerer:
                 return lo, hi
             positive = isinstance(e.rhs, Const) and e.rhs.value > 0
             if e.op == "//" and positive:  # monotone: floor(lo / c), floor(hi / c)
+                self.helpers.add("_floordiv")
                 return self._new(f"_floordiv({a[0]}, {e.rhs.value})"), self._new(f"_floordiv({a[1]}, {e.rhs.value})")
             if e.op == "%" and positive:
                 c = e.rhs.value
+                self.helpers |= {"_floordiv", "_mod"}
                 same = self._new(f"_floordiv({a[0]}, {c}) == _floordiv({a[1]}, {c})")  # within one period
                 return (self._new(f"tl.where({same}, _mod({a[0]}, {c}), 0)"), self._new(f"tl.where({same}, _mod({a[1]}, {c}), {c - 1})"))
             return None
@@ -438,4 +442,4 @@ def lower_tile_class(mask: Expr, scope) -> TileClassCode | None:
     may_drop, may_keep = lowerer.boolean(mask)
     if (may_drop, may_keep) == ("True", "True"):
         return None
-    return TileClassCode(lowerer.stmts, may_drop, may_keep)
+    return TileClassCode(lowerer.stmts, may_drop, may_keep, lowerer.helpers)

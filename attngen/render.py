@@ -115,7 +115,7 @@ def context(plan: KernelPlan) -> dict:
         scope = ex.Scope("mask", ex.MASK_VARS, {i.name: i for i in spec.inputs})
         tile_class = lower_tile_class(plan.mask, scope)
         if tile_class is not None:
-            helpers |= {h for h in ("_floordiv", "_mod") if any(f"{h}(" in line for line in tile_class.stmts)}
+            helpers |= tile_class.helpers
     return {
         "name": spec.name,
         "spec_hash": plan.spec_hash,
