@@ -125,7 +125,7 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
         "kv_len": Nk,
         "score": score,
     }
-    scope = Scope("score", SCORE_VARS, {i.name: i for i in spec.inputs})
+    scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
     if spec.score is not None:
         score = torch.as_tensor(evaluate(spec.score, env, inputs, scope, dtype), device=dev).to(dtype)
         score = score.expand(B, Hq, Nq, Nk)

@@ -211,7 +211,7 @@ def plan(spec: Spec, target: str | Target | None = None) -> KernelPlan:
     score = spec.score
     dscore = None
     if score is not None:
-        scope = ex.Scope("score", ex.SCORE_VARS, {i.name: i for i in spec.inputs})
+        scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
         dscore = ex.derivative(score, scope)
     return KernelPlan(
         spec=spec,

@@ -89,7 +89,7 @@ class _KernelCode:
 
 def _lower_for_kernel(plan: KernelPlan, inner_vars: frozenset[str], want_dscore: bool, helpers: set[str]) -> _KernelCode:
     spec = plan.spec
-    scope = ex.Scope("score", ex.SCORE_VARS, {i.name: i for i in spec.inputs})
+    scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
     names = {v: v for v in ex.SCORE_VARS}
     lowerer = ex.Lowerer(scope, names, inner_vars)
     exprs = [e for e in (plan.mask, plan.score, plan.dscore if want_dscore else None) if e is not None]
@@ -112,7 +112,7 @@ def context(plan: KernelPlan) -> dict:
     dq = _lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers)
     tile_class = None
     if plan.mask is not None:
-        scope = ex.Scope("mask", ex.MASK_VARS, {i.name: i for i in spec.inputs})
+        scope = ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name)
         tile_class = lower_tile_class(plan.mask, scope)
         if tile_class is not None:
             helpers |= tile_class.helpers

@@ -143,5 +143,9 @@ class Spec:
     filename: str | None = field(default=None, compare=False, repr=False)
 
     @property
+    def inputs_by_name(self) -> dict[str, InputDecl]:
+        return {decl.name: decl for decl in self.inputs}
+
+    @property
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else self.head_dim ** -0.5
