@@ -17,7 +17,8 @@ import enum
 import math
 from dataclasses import dataclass
 
-from .expr import typeof
+from .expr import nonnegative, typeof
+from .expr import variables as _variables
 from .spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
 
 INF = math.inf
@@ -255,6 +256,15 @@ def truth(mask: Expr, env: dict[str, Interval]) -> Truth:
     return _as_bool(evaluate(mask, env)).truth
 
 
+def keeps_first_key(mask: Expr) -> bool:
+    """Whether the mask provably keeps key 0 for every query row, batch and head, at any sequence lengths
+    (q_idx >= 0, lengths >= 1). Then every row keeps at least one key, and a kernel that first visits a tile
+    holding key 0 (or a full tile) never sees a row with no key so far: it needs no NaN guards."""
+    env = {"q_idx": Interval(0, INF), "kv_idx": Interval.point(0), "q_len": Interval(1, INF), "kv_len": Interval(1, INF),
+           "b": Interval(0, INF), "h": Interval(0, INF)}
+    return truth(mask, env) is Truth.ALWAYS
+
+
 def tile_env(q_lo: int, q_hi: int, kv_lo: int, kv_hi: int, q_len: int, kv_len: int,
              batch: Interval | None = None, heads: Interval | None = None) -> dict[str, Interval]:
     """Variable bounds for the tile q_idx in [q_lo, q_hi], kv_idx in [kv_lo, kv_hi] (inclusive)."""
@@ -312,25 +322,50 @@ def tile_counts(classes: list[list[TileClass]]) -> dict[TileClass, int]:
 
 
 # ---- the same analysis, as Triton code evaluated per tile inside the kernels --------------------------------
+@dataclass(frozen=True)
+class InputBounds:
+    """Per-chunk minima and maxima of an integer or boolean input along the axis that q_idx or kv_idx indexes,
+    made at run time by the generated pre-pass kernel, so the in-kernel classifier can bound a read such as
+    doc[b, kv_idx] over a whole tile. Stored as one tensor [2, *shape with that axis in chunks]."""
+
+    input: str
+    axis: int
+
+    @property
+    def param(self) -> str:
+        return f"tiles_{self.input}_{self.axis}"
+
+
 @dataclass
 class TileClassCode:
-    """Scalar Triton statements computing, for one tile, whether the mask can be false (`may_drop`) and
-    whether it can be true (`may_keep`). Integer arithmetic only: every bound is exact in int32."""
+    """Triton statements computing, for a vector of tiles, whether the mask can be false (`may_drop`) and
+    whether it can be true (`may_keep`). Integer arithmetic only: every bound is exact in int32 (index
+    variables) or in the input's own integer type (input reads, used only as comparison operands)."""
 
     stmts: list[str]
     may_drop: str
     may_keep: str
     helpers: set[str]  # generated helper functions the statements call (names of expr.HELPERS)
+    params: list[str]  # kernel parameters the statements read (input pointers, strides, sizes, bounds)
+    bounds: list[InputBounds]  # the pre-pass summaries they need
+
+
+_AXIS_VARS = {"q_idx": ("q_lo", "q_hi"), "kv_idx": ("kv_lo", "kv_hi")}
 
 
 class _TileLowerer:
-    """Lowers `evaluate` to Triton scalar code. Variables: q_idx in [q_lo, q_hi], kv_idx in [kv_lo, kv_hi]; b,
-    h, q_len, kv_len are exact. Subexpressions involving inputs or floats are unknown (None)."""
+    """Lowers `evaluate` to Triton code over a vector of tiles: q_idx in [q_lo, q_hi], kv_idx in [kv_lo, kv_hi]
+    (elementwise); b, h, q_len, kv_len are exact scalars. Floats are unknown (None), and so is arithmetic on
+    input values (its endpoints could wrap around where the kernel's elementwise values do not). An input
+    read is known when it is a comparison operand or a boolean: exact if its indices do not involve q_idx or
+    kv_idx, else bounded by the pre-pass summary when one index is q_idx or kv_idx itself."""
 
     def __init__(self, scope):
         self.scope = scope
         self.stmts: list[str] = []
         self.helpers: set[str] = set()
+        self.params: list[str] = []
+        self.bounds: list[InputBounds] = []
         self.n = 0
 
     def _new(self, code: str) -> str:
@@ -339,6 +374,69 @@ class _TileLowerer:
         self.stmts.append(f"{name} = {code}")
         return name
 
+    def _param(self, name: str) -> str:
+        if name not in self.params:
+            self.params.append(name)
+        return name
+
+    def read(self, e: Index):
+        """(lo, hi) code for an integer or boolean input read (booleans as 0/1), or None when unknown."""
+        decl = self.scope.inputs[e.input]
+        if decl.type not in (Type.INT, Type.BOOL):
+            return None
+        n = decl.name
+        ptr, size = f"in_{n}_ptr", [f"in_{n}_size_{i}" for i in range(len(e.indices))]
+        axes = [i for i, idx in enumerate(e.indices) if {"q_idx", "kv_idx"} & _variables(idx)]
+        exact = {}
+        for i, idx in enumerate(e.indices):
+            if i in axes:
+                continue
+            r = self.read(idx) if isinstance(idx, Index) else self.number(idx)
+            if r is None:
+                return None
+            exact[i] = r[0]  # no q_idx or kv_idx: every bound of it is the one value (lo == hi)
+        checks = [f"({exact[i]} < {self._param(size[i])})" for i in exact]  # reads outside the input give 0
+        checks += [f"({exact[i]} >= 0)" for i in exact if not nonnegative(e.indices[i])]
+        in_bounds = " & ".join(checks) or "True"
+        if not axes:  # one element for the whole tile
+            offset = " + ".join(f"{exact[i]} * {self._param(f'in_{n}_stride_{i}')}" for i in exact)
+            value = self._new(f"tl.load({self._param(ptr)} + {offset}, mask={in_bounds}, other=0).to(tl.int64)")
+            return value, value
+        if len(axes) > 1 or not isinstance(e.indices[axes[0]], Var):
+            return None
+        axis = axes[0]
+        lo, hi = _AXIS_VARS[e.indices[axis].name]
+        summary = InputBounds(n, axis)
+        if summary not in self.bounds:
+            self.bounds.append(summary)
+        tiles = self._param(summary.param)
+        for s in size:
+            self._param(s)
+        # the summary is [2, *shape] with the axis in chunks of TILE_CHUNK; read the chunks the tile covers
+        chunks = self._new(f"tl.cdiv({size[axis]}, TILE_CHUNK)")
+        c0 = self._new(f"{lo} // TILE_CHUNK")
+        c1 = self._new(f"{hi} // TILE_CHUNK")
+        c = self._new(f"{c0}[:, None] + tl.arange(0, TILE_SPAN)[None, :]")
+        dims = [size[i] if i != axis else chunks for i in range(len(size))]
+        index = [exact.get(i, c) for i in range(len(size))]
+        offset = index[0]
+        for i in range(1, len(size)):
+            offset = f"{offset if offset.isidentifier() else f'({offset})'} * {dims[i]} + {index[i]}"
+        total = " * ".join(dims)
+        ok = self._new(f"({c} <= {c1}[:, None]) & ({c} < {chunks})")
+        mn = self._new(f"tl.load({tiles} + {offset}, mask={ok}, other=0).to(tl.int64)")
+        mx = self._new(f"tl.load({tiles} + {total} + {offset}, mask={ok}, other=0).to(tl.int64)")
+        mn = self._new(f"tl.min(tl.where({ok}, {mn}, INT64_MAX), axis=1)")
+        mx = self._new(f"tl.max(tl.where({ok}, {mx}, INT64_MIN), axis=1)")
+        # unknown if the tile spans more chunks than were read; indices past the input's end read 0
+        covered = self._new(f"{c1} - {c0} < TILE_SPAN")
+        past_end = self._new(f"{hi} >= {size[axis]}")
+        mn = self._new(f"tl.where({covered}, tl.where({past_end}, tl.minimum({mn}, 0), {mn}), INT64_MIN)")
+        mx = self._new(f"tl.where({covered}, tl.where({past_end}, tl.maximum({mx}, 0), {mx}), INT64_MAX)")
+        if in_bounds == "True":
+            return mn, mx
+        return self._new(f"tl.where({in_bounds}, {mn}, 0)"), self._new(f"tl.where({in_bounds}, {mx}, 0)")
+
     def number(self, e: Expr):
         """(lo, hi) code for an integer expression, or None when unknown."""
         if typeof(e, self.scope) is not Type.INT:
@@ -346,9 +444,9 @@ class _TileLowerer:
         if isinstance(e, Const):
             return repr(e.value), repr(e.value)
         if isinstance(e, Var):
-            return {"q_idx": ("q_lo", "q_hi"), "kv_idx": ("kv_lo", "kv_hi")}.get(e.name, (e.name, e.name))
+            return _AXIS_VARS.get(e.name, (e.name, e.name))
         if isinstance(e, Index):
-            return None
+            return None  # see read(): only comparison operands
         if isinstance(e, Unary):
             a = self.number(e.operand)
             return None if a is None else (self._new(f"-{a[1]}"), self._new(f"-{a[0]}"))
@@ -417,8 +515,11 @@ class _TileLowerer:
             if e.op == "and":
                 return self._new(f"{af} | {bf}"), self._new(f"{at} & {bt}")
             return self._new(f"{af} & {bf}"), self._new(f"{at} | {bt}")
+        if isinstance(e, Index):
+            r = self.read(e)
+            return unknown if r is None else (self._new(f"{r[0]} == 0"), self._new(f"{r[1]} != 0"))
         if isinstance(e, Binary) and e.op in ("<", "<=", ">", ">=", "==", "!="):
-            a, b = self.number(e.lhs), self.number(e.rhs)
+            a, b = (self.read(x) if isinstance(x, Index) else self.number(x) for x in (e.lhs, e.rhs))
             if a is None or b is None:
                 return unknown
             (alo, ahi), (blo, bhi) = a, b
@@ -442,4 +543,7 @@ def lower_tile_class(mask: Expr, scope) -> TileClassCode | None:
     may_drop, may_keep = lowerer.boolean(mask)
     if (may_drop, may_keep) == ("True", "True"):
         return None
-    return TileClassCode(lowerer.stmts, may_drop, may_keep, lowerer.helpers)
+    # a side decided for every tile is a Python constant here: make it a vector like the others
+    constant = {"True": "tl.zeros_like(q_lo) == 0", "False": "tl.zeros_like(q_lo) != 0"}
+    may_drop, may_keep = (lowerer._new(constant[x]) if x in constant else x for x in (may_drop, may_keep))
+    return TileClassCode(lowerer.stmts, may_drop, may_keep, lowerer.helpers, lowerer.params, lowerer.bounds)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from . import expr as ex
 from .canonical import spec_hash
 from .errors import PlanError
+from .intervals import keeps_first_key
 from .spec import Binary, Const, DType, Expr, LoopOrder, Spec, Type, Var
 from .targets import Target, detect, get_target
 
@@ -53,6 +54,8 @@ class KernelPlan:
     score: Expr | None
     dscore: Expr | None  # d score / d (scaled q.k), for the backward
     steps: tuple[Step, ...] = field(compare=False)
+    # False: kernels visit and mask every tile, as if nothing were proved (to measure what classification buys)
+    classify: bool = True
 
     @property
     def dtype(self) -> DType:
@@ -67,9 +70,18 @@ class KernelPlan:
         return self.spec.loop_order
 
     @property
+    def tile_sizes(self) -> tuple[int, ...]:
+        """Every tile size the forward and backward kernels use (powers of two)."""
+        return (self.block_m, self.block_n, self.bwd_block_m, self.bwd_block_n, self.dq_block_m, self.dq_block_n)
+
+    @property
     def may_mask_rows(self) -> bool:
-        """Whether a query row can end up with no key (so the kernels need their 0/0 and -inf guards)."""
-        return self.mask is not None or self.score is not None
+        """Whether a query row may have kept no key at some step (so the kernels need their 0/0 and -inf
+        guards). Not when the mask provably keeps key 0 in every row (causal, prefix-LM: the forward visits a
+        full tile or the tile of key 0 first) and no score modification can turn a score into -inf."""
+        if self.score is not None:
+            return True  # a score modification may produce -inf (e.g. a bias input holding -inf)
+        return self.mask is not None and not keeps_first_key(self.mask)
 
     def describe(self) -> str:
         t = self.target
@@ -119,8 +131,9 @@ def effective_mask(spec: Spec) -> Expr | None:
     return mask
 
 
-def plan(spec: Spec, target: str | Target | None = None) -> KernelPlan:
-    """Derive the kernel plan. Pure: the same spec and target always give the same plan."""
+def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = True) -> KernelPlan:
+    """Derive the kernel plan. Pure: the same spec and target always give the same plan. `classify=False`
+    turns tile classification off (every tile visited and masked): a baseline for measurements."""
     tgt = resolve_target(spec, target)
     if spec.dropout > 0.0:
         raise PlanError(f"{spec.name}: dropout is not implemented yet (dropout = {spec.dropout}); set dropout = 0.0")
@@ -233,4 +246,5 @@ def plan(spec: Spec, target: str | Target | None = None) -> KernelPlan:
         score=score,
         dscore=dscore,
         steps=tuple(steps),
+        classify=classify,
     )

@@ -111,7 +111,7 @@ def context(plan: KernelPlan) -> dict:
     dkdv = _lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers)
     dq = _lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers)
     tile_class = None
-    if plan.mask is not None:
+    if plan.mask is not None and plan.classify:
         scope = ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name)
         tile_class = lower_tile_class(plan.mask, scope)
         if tile_class is not None:
@@ -127,6 +127,7 @@ def context(plan: KernelPlan) -> dict:
         "scale": repr(float(plan.scale)),
         "qk_scale_log2": repr(float(plan.scale) * LOG2E),
         "has_mask": plan.mask is not None,
+        "classify": plan.classify,
         "has_score": plan.score is not None,
         "guard_rows": plan.may_mask_rows,
         "pad_d": plan.head_dim_pad != plan.head_dim,
@@ -138,6 +139,9 @@ def context(plan: KernelPlan) -> dict:
         "dkdv": dkdv,
         "dq": dq,
         "tile_class": tile_class,
+        # the input pre-pass summarizes chunks of the smallest tile size; the largest tile spans tile_span chunks
+        "tile_chunk": min(plan.tile_sizes),
+        "tile_span": max(plan.tile_sizes) // min(plan.tile_sizes),
     }
 
 

@@ -185,11 +185,13 @@ class _AttentionFunction(torch.autograd.Function):
         return (None, None, dq, dk, dv) + (None,) * len(inputs)
 
 
-def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None) -> Kernel:
+def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,
+            classify: bool = True) -> Kernel:
     """Parse, check, plan, render, cache and load a spec. `spec` is a path, spec text, or a Spec;
-    `target` overrides the spec's target (a name from `attngen targets`, or "auto")."""
+    `target` overrides the spec's target (a name from `attngen targets`, or "auto"). `classify=False`
+    builds kernels that visit and mask every tile (a baseline to measure tile classification against)."""
     spec_obj = read_spec(spec)
-    kernel_plan = make_plan(spec_obj, target)
+    kernel_plan = make_plan(spec_obj, target, classify=classify)
     key, source = build_source(kernel_plan)
     with _lock:
         module = _modules.get(key)

@@ -14,32 +14,12 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-
-torch._dynamo.config.recompile_limit = 64
-torch._dynamo.config.cache_size_limit = 64
-flex = torch.compile(flex_attention, dynamic=False)
-
-
-def median_ms(fn):
-    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-
-
-def time_provider(fwd, q, k, v, do):
-    t_fwd = median_ms(lambda: fwd(q, k, v))
-
-    def step():
-        out = fwd(q, k, v)
-        torch.autograd.grad(out, (q, k, v), do)
-
-    t_all = median_ms(step)
-    return t_fwd, max(t_all - t_fwd, 1e-9)
+from harness import SDPA_CUDNN, SDPA_FLASH, flex, matmul_tflops, sdpa, time_fwd_bwd, versions  # noqa: E402
 
 
 def main():
@@ -64,27 +44,25 @@ def main():
             providers = {
                 "attngen": lambda q, k, v, kern=kernels[mask]: kern(q, k, v),
                 "flex": lambda q, k, v, bm=block_mask: flex(q, k, v, block_mask=bm),
-                "sdpa_flash": lambda q, k, v, c=causal: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, c),
-                "sdpa_cudnn": lambda q, k, v, c=causal: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, c),
+                "sdpa_flash": lambda q, k, v, c=causal: sdpa(SDPA_FLASH, q, k, v, c),
+                "sdpa_cudnn": lambda q, k, v, c=causal: sdpa(SDPA_CUDNN, q, k, v, c),
             }
             with torch.no_grad():
-                ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal).float()
+                ref = sdpa(SDPA_FLASH, q, k, v, causal).float()
             row = {"N": N, "B": B, "H": H, "d": D, "mask": mask}
             for name, fn in providers.items():
                 try:
                     out = fn(q, k, v)
                     err = (out.float() - ref).abs().max().item()
                     assert err < 3e-2 and not torch.isnan(out).any(), f"{name}: max error {err} against SDPA flash"
-                    t_fwd, t_bwd = time_provider(fn, q, k, v, do)
+                    t_fwd, t_bwd = time_fwd_bwd(fn, q, k, v, do)
                     row[name] = {"fwd_ms": t_fwd, "bwd_ms": t_bwd, "fwd_tflops": fwd_flop / t_fwd * 1e-9, "bwd_tflops": 2.5 * fwd_flop / t_bwd * 1e-9, "max_err": err}
                 except Exception as exc:  # report and keep going: one provider failing must not hide the others
                     row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    mm = 2 * 8192**3 / median_ms(lambda: a @ b) * 1e-9
-    print(f"\nbf16 8192^3 matmul: {mm:.0f} TFLOP/s   ({torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__})")
+    mm = matmul_tflops()
+    print(f"\nbf16 8192^3 matmul: {mm:.0f} TFLOP/s   ({versions()})")
     print(f"{'config':<18}" + "".join(f"{p:>16}" for p in ("attngen", "flex", "sdpa_flash", "sdpa_cudnn")) + f"{'vs flex':>14}{'vs cudnn':>14}")
     for row in rows:
         cells = []
@@ -96,11 +74,6 @@ def main():
         print(f"{'N=' + str(row['N']) + ' ' + row['mask']:<18}" + "".join(f"{c:>16}" for c in cells) + f"{ratio('flex'):>14}{ratio('sdpa_cudnn'):>14}")
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_tflops": mm, "rows": rows}, indent=1))
-
-
-def _sdpa(backend, q, k, v, causal):
-    with sdpa_kernel(backend):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 if __name__ == "__main__":

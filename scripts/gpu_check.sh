@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent H100 (device tool): installs the carried wheels (lark, pytest-xdist, execnet), then checks every spec against the
 # float64 reference in its own dtype (check; the tests cover all three dtypes), runs the test suite on CUDA (tests), or times the
-# kernels against SDPA and FlexAttention (bench). Output goes to $OUT.
+# kernels against SDPA and FlexAttention (bench), or tile classification on/off against FlexAttention (masks). Output goes to $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -16,5 +16,6 @@ case "${1:-check}" in
   tests) ATTNGEN_FAILURE_LOG=$OUT/failures.txt python3 -m pytest -q -n 8 --device cuda -p no:cacheprovider -p no:benchmark \
            "${@:2}" 2>&1 | tee "$OUT/pytest.txt" ;;
   bench) python3 benchmarks/quick.py --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.txt" ;;
-  *) echo "usage: $0 [check|tests|bench]"; exit 2 ;;
+  masks) python3 benchmarks/masks.py "${@:2}" --json "$OUT/masks.json" 2>&1 | tee "$OUT/masks.txt" ;;
+  *) echo "usage: $0 [check|tests [pytest args]|bench|masks [--seq N...]]"; exit 2 ;;
 esac

@@ -172,3 +172,145 @@ def _probe(Out, q_len, kv_len, BLOCK: tl.constexpr):
     tl.store(Out + i * 4 + 2, full_hi)
     tl.store(Out + i * 4 + 3, hi)
 """
+
+
+# ---- masks that read inputs: the pre-pass summaries bound each tile, checked by brute force ----------------
+INPUT_MASKS = {
+    "document": ("input doc: int32[B, N]", "doc[b, q_idx] == doc[b, kv_idx] and q_idx >= kv_idx"),
+    "padding": ("input lens: int32[B]", "kv_idx < lens[b]"),
+    "prefix": ("input prefix: int32[B]", "q_idx >= kv_idx or kv_idx < prefix[b]"),
+    "allowed": ("input allowed: bool[B, N]", "allowed[b, kv_idx] or q_idx == kv_idx"),
+    "query_groups": ("input grp: int8[N, B]", "grp[q_idx, b % 2] <= grp[kv_idx, b % 2]"),
+}
+
+
+def _input_probe(params: list[str]) -> str:
+    args = ", ".join(params)
+    return f"""
+
+@triton.jit
+def _probe(Out, q_len, kv_len, {args}, ROWS_ARE_QUERIES: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    length = q_len if ROWS_ARE_QUERIES else kv_len
+    row_lo = i * BLOCK
+    row_hi = tl.minimum(row_lo + BLOCK, length) - 1
+    lo, full_lo, full_hi, hi = _tile_range(row_lo, row_hi, b, 0, q_len, kv_len, {args}, ROWS_ARE_QUERIES, BLOCK)
+    out = Out + (b * tl.num_programs(0) + i) * 4
+    tl.store(out + 0, lo)
+    tl.store(out + 1, full_lo)
+    tl.store(out + 2, full_hi)
+    tl.store(out + 3, hi)
+"""
+
+
+def _random_input(decl, batch, n, gen, aligned):
+    shape = tuple({"B": batch, "N": n}[d] for d in decl.dims)
+    if decl.dtype == "bool":
+        runs = torch.rand((batch, n // 16 + 1), generator=gen) < 0.5  # runs of 16 (aligned) or random noise
+        return runs.repeat_interleave(16, 1)[:, :n] if aligned else torch.rand(shape, generator=gen) < 0.7
+    if len(shape) == 1:
+        return torch.randint(0, n + 20, shape, generator=gen, dtype=torch.int32)
+    if aligned:  # documents of 32 tokens: every 16-token tile inside one document
+        t = torch.arange(n).div(32, rounding_mode="floor").expand(shape[::-1] if decl.dims[0] == "N" else shape)
+        t = t.T if decl.dims[0] == "N" else t
+    else:
+        t = torch.randint(0, 6, shape, generator=gen).cumsum(0 if decl.dims[0] == "N" else 1)  # runs of any length
+    return t.to(getattr(torch, decl.dtype)).contiguous()
+
+
+@pytest.mark.skipif("not __import__('os').environ.get('TRITON_INTERPRET')", reason="runs generated code in Triton's interpreter")
+@pytest.mark.parametrize("name", sorted(INPUT_MASKS))
+def test_kernel_tile_ranges_with_inputs_are_sound(name, tmp_path):
+    """Every tile the kernels skip keeps no pair, every tile they run unmasked keeps all, for random inputs (and
+    inputs shorter than the sequence, which read 0); with tile-aligned inputs the ranges are exact."""
+    import importlib.util
+    import sys
+
+    import attngen
+    from attngen.render import context
+
+    decl_text, mask_text = INPUT_MASKS[name]
+    kern = attngen.compile(f"attention t {{ head_dim = 16 dtype = fp32 {decl_text} mask = {mask_text} block_m = 16 block_n = 16 }}", "h100")
+    params = context(kern.plan)["tile_class"].params
+    path = tmp_path / f"probe_inputs_{name}.py"
+    path.write_text(kern.source + _input_probe(params))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    decl = kern.spec.inputs[0]
+    scope = ex.Scope("mask", ex.MASK_VARS, kern.spec.inputs_by_name)
+    gen = torch.Generator().manual_seed(0)
+    batch, block = 3, 16
+    skipped = 0
+    for q_len, kv_len, n, aligned in ((100, 100, 100, False), (64, 150, 150, False), (150, 70, 150, False),
+                                      (96, 96, 96, True), (90, 120, 100, False)):  # the last: input shorter than kv_len
+        x = _random_input(decl, batch, n, gen, aligned)
+        args = []
+        for p in params:
+            kind, axis = p.rsplit("_", 1)
+            if p == f"in_{decl.name}_ptr":
+                args.append(x)
+            elif kind == f"in_{decl.name}_stride":
+                args.append(x.stride(int(axis)))
+            elif kind == f"in_{decl.name}_size":
+                args.append(x.shape[int(axis)])
+            else:
+                args.append(module._bounds_of(x, int(axis)))
+        for rows_are_queries in (True, False):
+            rows, cols = (q_len, kv_len) if rows_are_queries else (kv_len, q_len)
+            n_rows, n_cols = -(-rows // block), -(-cols // block)
+            out = torch.zeros(batch * n_rows * 4, dtype=torch.int32)
+            module._probe[(n_rows, batch)](out, q_len, kv_len, *args, ROWS_ARE_QUERIES=rows_are_queries, BLOCK=block)
+            for b in range(batch):
+                env = {"q_idx": torch.arange(q_len).view(-1, 1), "kv_idx": torch.arange(kv_len).view(1, -1),
+                       "q_len": q_len, "kv_len": kv_len, "b": b, "h": 0}
+                grid = torch.as_tensor(evaluate_torch(kern.plan.mask, env, {decl.name: x}, scope, torch.float64)).broadcast_to((q_len, kv_len))
+                grid = grid if rows_are_queries else grid.T
+                classes = []
+                for i in range(n_rows):
+                    row = []
+                    for j in range(n_cols):
+                        t = grid[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                        row.append(TileClass.FULL if bool(t.all()) else TileClass.EMPTY if not bool(t.any()) else TileClass.PARTIAL)
+                    classes.append(row)
+                want = _expected_ranges(classes, cols, block)
+                for i in range(n_rows):
+                    lo, full_lo, full_hi, hi = out[(b * n_rows + i) * 4:(b * n_rows + i + 1) * 4].tolist()
+                    where = (name, q_len, kv_len, rows_are_queries, b, i)
+                    assert 0 <= lo <= full_lo <= full_hi <= hi <= n_cols, where
+                    assert all(classes[i][j] is TileClass.EMPTY for j in range(n_cols) if not lo <= j < hi), where
+                    assert all(classes[i][j] is TileClass.FULL and (j + 1) * block <= cols for j in range(full_lo, full_hi)), where
+                    skipped += n_cols - (hi - lo)
+                    if aligned:
+                        assert (lo, full_lo, full_hi, hi) == want[i], (where, want[i])
+    if name != "allowed":  # random booleans rarely leave a whole 16-token tile False
+        assert skipped > 0, "the classifier skipped nothing"
+
+
+@pytest.mark.parametrize("mask, keeps", [
+    ("q_idx >= kv_idx", True),
+    ("q_idx >= kv_idx or kv_idx < prefix[b]", True),
+    ("kv_idx // 64 == 0 or q_idx // 64 == kv_idx // 64", True),
+    ("q_idx >= kv_idx and q_idx - kv_idx < 1024", False),  # far rows do not see key 0
+    ("q_idx + kv_len - q_len >= kv_idx", False),  # rows before kv_len - q_len see nothing
+    ("kv_idx < prefix[b]", False),  # prefix[b] may be 0
+    ("doc[b, q_idx] == doc[b, kv_idx]", False),
+])
+def test_nan_guards_only_where_a_row_may_keep_no_key(mask, keeps):
+    import attngen
+    from attngen.intervals import keeps_first_key
+
+    decls = "input prefix: int32[B] input doc: int32[B, N]"
+    kern = attngen.compile(f"attention t {{ head_dim = 16 {decls} mask = {mask} }}", "h100")
+    assert keeps_first_key(kern.plan.mask) is keeps
+    guarded = 'float("-inf"), 0.0' in kern.source  # the -inf -> 0 replacements of the guards
+    assert guarded is not keeps
+    if keeps:  # brute force: key 0 is kept in every row, for a few lengths
+        for q_len in (1, 5, 300):
+            env = {"q_idx": torch.arange(q_len).view(-1, 1), "kv_idx": torch.zeros(1, 1, dtype=torch.long),
+                   "q_len": q_len, "kv_len": 7, "b": 0, "h": 0}
+            scope = ex.Scope("mask", ex.MASK_VARS, kern.spec.inputs_by_name)
+            inputs = {"prefix": torch.zeros(1, dtype=torch.int32), "doc": torch.zeros(1, q_len, dtype=torch.int32)}
+            assert bool(torch.as_tensor(evaluate_torch(kern.plan.mask, env, inputs, scope, torch.float64)).all())

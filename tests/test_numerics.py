@@ -34,6 +34,10 @@ VARIANTS = {
     "window_tiles_16": "attention v { head_dim = 32 mask = q_idx >= kv_idx and q_idx - kv_idx < 40 block_m = 16 block_n = 16 }",
     "chunked_tiles_16": "attention v { head_dim = 32 mask = q_idx // 32 == kv_idx // 32 block_m = 16 block_n = 16 }",
     "prefix_tiles_16": "attention v { head_dim = 32 input prefix: int32[B] mask = q_idx >= kv_idx or kv_idx < prefix[b] block_m = 16 block_n = 16 }",
+    # masks that read inputs: tiles skipped from the inputs' per-chunk bounds (the pre-pass)
+    "document_tiles_16": "attention v { head_dim = 32 input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] and q_idx >= kv_idx block_m = 16 block_n = 16 }",
+    "padding_tiles_16": "attention v { head_dim = 32 input lens: int32[B] mask = kv_idx < lens[b] block_m = 16 block_n = 32 }",
+    "bool_tiles_16": "attention v { head_dim = 32 input allowed: bool[B, N] mask = allowed[b, kv_idx] and q_idx >= kv_idx block_m = 16 block_n = 16 }",
     "softcap_bottom_right_tiles_16": "attention v { head_dim = 32 mask = q_idx + kv_len - q_len >= kv_idx score = 10.0 * tanh(score / 10.0) block_m = 16 block_n = 32 }",
 }
 
@@ -179,3 +183,12 @@ def test_verify_catches_a_wrong_mask(device, target):
     window = load_spec("attention t { head_dim = 32 dtype = fp32 mask = q_idx >= kv_idx and q_idx - kv_idx < 30 }")
     impostor = attngen.Kernel(window, causal.plan, causal.source, causal.path, causal.module)
     assert not verify.check_one(impostor, (1, 1, 1, 64, 64), device).ok
+
+
+def test_classification_off_is_a_correct_baseline(device, target):
+    """classify=False (the benchmarks' baseline) visits and masks every tile, and stays correct."""
+    spec = dataclasses.replace(load_spec(VARIANTS["document_tiles_16"]), dtype=DType.FP32)
+    kern = attngen.compile(spec, target, classify=False)
+    assert "_tile_class" not in kern.source and "classification is turned off" in kern.source
+    assert kern.source != attngen.compile(spec, target).source
+    _check(kern, device, shapes=((2, 2, 1, 70, 90),))
