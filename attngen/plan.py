@@ -48,8 +48,10 @@ class KernelPlan:
     bwd_block_n: int
     dq_block_m: int
     dq_block_n: int
-    bwd_num_warps: int
+    bwd_num_warps: int  # dK/dV kernel
     bwd_num_stages: int
+    dq_num_warps: int
+    dq_num_stages: int
     mask: Expr | None  # the mask with static block sparsity folded in
     score: Expr | None
     dscore: Expr | None  # d score / d (scaled q.k), for the backward
@@ -97,8 +99,8 @@ class KernelPlan:
         lines += [
             "",
             f"forward  ({self.loop_order.value}): BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} num_stages={self.num_stages}",
-            f"backward dK/dV: BLOCK_M={self.bwd_block_m} BLOCK_N={self.bwd_block_n}; dQ: BLOCK_M={self.dq_block_m} BLOCK_N={self.dq_block_n}; "
-            f"num_warps={self.bwd_num_warps} num_stages={self.bwd_num_stages}",
+            f"backward dK/dV: BLOCK_M={self.bwd_block_m} BLOCK_N={self.bwd_block_n} num_warps={self.bwd_num_warps} num_stages={self.bwd_num_stages}; "
+            f"dQ: BLOCK_M={self.dq_block_m} BLOCK_N={self.dq_block_n} num_warps={self.dq_num_warps} num_stages={self.dq_num_stages}",
         ]
         return "\n".join(lines)
 
@@ -242,6 +244,8 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         dq_block_n=qbn,
         bwd_num_warps=bwd_warps,
         bwd_num_stages=bwd_stages,
+        dq_num_warps=bwd_warps,
+        dq_num_stages=bwd_stages,
         mask=mask,
         score=score,
         dscore=dscore,

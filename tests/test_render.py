@@ -46,8 +46,10 @@ def test_dead_branches_are_resolved_by_jinja():
     assert "m_ij_safe" not in plain and "l_safe" not in plain  # no row can be empty without a mask
     assert "QK_SCALE_LOG2" in plain and "score =" not in plain.split("_attn_fwd(")[1].split("def attention_forward")[0]
     assert "offs_d[None, :] < HEAD_DIM" not in plain  # 64 needs no padding
-    masked = render(plan(load_spec("attention t { head_dim = 80 mask = q_idx >= kv_idx }"), "h100"))
-    assert "m_ij_safe" in masked and "offs_d[None, :] < HEAD_DIM" in masked
+    window = render(plan(load_spec("attention t { head_dim = 80 mask = q_idx >= kv_idx and q_idx - kv_idx < 64 }"), "h100"))
+    assert "m_ij_safe" in window and "l_safe" in window and "offs_d[None, :] < HEAD_DIM" in window
+    causal = render(plan(load_spec("attention t { head_dim = 80 mask = q_idx >= kv_idx }"), "h100"))
+    assert "m_ij_safe" not in causal and "l_safe" not in causal  # every row keeps key 0
 
 
 def test_fp32_asks_for_ieee_products():
