@@ -115,6 +115,9 @@ class Kernel:
                 raise InputError(f"input {decl.name!r} has {t.dim()} dimension(s), declared {len(decl.dims)}: [{', '.join(map(str, decl.dims))}]")
             if t.device != q.device:
                 raise InputError(f"input {decl.name!r} is on {t.device}, q on {q.device}")
+            if t.requires_grad and torch.is_grad_enabled():
+                raise InputError(f"input {decl.name!r} requires grad: gradients with respect to declared inputs are not "
+                                 f"implemented yet (pass {decl.name}.detach() to treat it as a constant)")
             for axis, (dim, size) in enumerate(zip(decl.dims, t.shape)):
                 if isinstance(dim, int):
                     if size != dim:

@@ -90,3 +90,14 @@ def test_reference_accepts_a_kernel_and_inputs(padded):
     assert out.dtype == torch.float64 and torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
     manual = torch.softmax((q[1] @ k[1].repeat_interleave(2, 0)[:, :4].transpose(-1, -2)) / 8.0, -1) @ v[1].repeat_interleave(2, 0)[:, :4]
     assert torch.allclose(out[1], manual)
+
+
+def test_inputs_requiring_grad_are_refused_not_silently_dropped(target):
+    kern = attngen.compile("attention t { head_dim = 64 dtype = fp32 input slopes: fp32[H] score = score - slopes[h] }", target)
+    q, k, v = _qkv(dtype=torch.float32)
+    slopes = torch.rand(4, device=q.device, requires_grad=True)
+    with pytest.raises(InputError, match=r"input .slopes. requires grad: .*\(pass slopes.detach\(\)"):
+        kern(q, k, v, slopes=slopes)
+    with torch.no_grad():
+        kern(q, k, v, slopes=slopes)  # no gradient wanted: fine
+    assert kern(q, k, v, slopes=slopes.detach()).shape == q.shape
