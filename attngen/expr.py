@@ -320,12 +320,26 @@ def derivative(e: Expr, scope: Scope, wrt: str = "score") -> Expr:
     return fold(_d(e, scope, wrt), scope)
 
 
-def _d(e: Expr, scope: Scope, wrt: str) -> Expr:
-    if wrt not in variables(e) or typeof(e, scope) is Type.BOOL:
+def read_derivative(e: Expr, scope: Scope, read: Index) -> Expr:
+    """d e / d read, where `read` is one input element read (e.g. bias[h, q_idx, kv_idx]): the gradient of a
+    score with respect to an input it reads. Same conventions as `derivative`."""
+    return fold(_d(e, scope, read), scope)
+
+
+def _contains(e: Expr, node: Expr) -> bool:
+    return e == node or any(_contains(c, node) for c in children(e))
+
+
+def _d(e: Expr, scope: Scope, wrt: str | Index) -> Expr:
+    """d e / d wrt, for wrt a variable name or an input read (Index node)."""
+    depends = wrt in variables(e) if isinstance(wrt, str) else _contains(e, wrt)
+    if not depends or typeof(e, scope) is Type.BOOL:
         return ZERO
     if isinstance(e, Var):
         return ONE if e.name == wrt else ZERO
-    if isinstance(e, (Const, Index)):
+    if isinstance(e, Index):
+        return ONE if e == wrt else ZERO
+    if isinstance(e, Const):
         return ZERO
     if isinstance(e, Unary):  # "-" (a "not" is boolean, handled above)
         return Unary("-", _d(e.operand, scope, wrt))

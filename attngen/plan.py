@@ -15,7 +15,7 @@ from . import expr as ex
 from .canonical import spec_hash
 from .errors import PlanError
 from .intervals import keeps_first_key
-from .spec import Binary, Const, DType, Expr, LoopOrder, Spec, Type, Var
+from .spec import Binary, Const, DType, Expr, Index, LoopOrder, Spec, Type, Var
 from .targets import Target, detect, get_target
 
 MIN_TILE = 16  # smallest tile side the matrix instructions (and tl.dot) accept
@@ -29,6 +29,51 @@ class Step:
     what: str
     formula: str
     value: str
+
+
+@dataclass(frozen=True)
+class ReadGrad:
+    """A read of a float input in the score (e.g. bias[h, q_idx, kv_idx]): the backward can give that input a
+    gradient, d loss / d read = (d loss / d score) * `derivative`, summed over every (b, h, q_idx, kv_idx)
+    that reads the element.
+    kind "uniform": no index involves q_idx or kv_idx (slopes[h]): each dQ program sums its rows in registers.
+    kind "direct": every index is a bare b, h, q_idx or kv_idx (each at most once) or an integer constant
+    (bias[h, q_idx, kv_idx]): the dQ kernel writes each pair's term to a (B, H, Nq, Nk) float32 buffer.
+    kind "unsupported": other index expressions (rel[h, q_idx - kv_idx + 64]): no gradient (refused at call time).
+    Both supported kinds are reduced in a fixed order: the gradients are deterministic."""
+
+    read: Index
+    derivative: Expr
+    kind: str
+
+
+def read_grads(spec: Spec) -> tuple[ReadGrad, ...]:
+    """The float input reads of the score, each with d score / d read (reads it does not depend on are left out)."""
+    if spec.score is None:
+        return ()
+    scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
+    found: list[Index] = []
+    stack = [spec.score]
+    while stack:
+        e = stack.pop()
+        stack.extend(ex.children(e))
+        if isinstance(e, Index) and spec.inputs_by_name[e.input].type is Type.FLOAT and e not in found:
+            found.append(e)
+    out = []
+    for read in found:
+        derivative = ex.read_derivative(spec.score, scope, read)
+        if derivative == Const(0.0, Type.FLOAT):
+            continue
+        names = [i.name for i in read.indices if isinstance(i, Var)]
+        if not ({"q_idx", "kv_idx"} & set().union(*(ex.variables(i) for i in read.indices))):
+            kind = "uniform"
+        elif all(isinstance(i, Var) and i.name in ("b", "h", "q_idx", "kv_idx") or (isinstance(i, Const) and i.type is Type.INT)
+                 for i in read.indices) and len(names) == len(set(names)):
+            kind = "direct"
+        else:
+            kind = "unsupported"
+        out.append(ReadGrad(read, derivative, kind))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -58,6 +103,7 @@ class KernelPlan:
     steps: tuple[Step, ...] = field(compare=False)
     # False: kernels visit and mask every tile, as if nothing were proved (to measure what classification buys)
     classify: bool = True
+    read_grads: tuple[ReadGrad, ...] = ()  # gradients of float inputs read in the score
 
     @property
     def dtype(self) -> DType:
@@ -251,4 +297,5 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         dscore=dscore,
         steps=tuple(steps),
         classify=classify,
+        read_grads=read_grads(spec),
     )

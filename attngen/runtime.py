@@ -14,7 +14,8 @@ import torch
 from . import cache
 from .check import read_spec
 from .errors import InputError
-from .expr import children
+from .expr import SCORE_VARS, Scope, children, format_expr
+from .naive import evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
 from .render import build_source
@@ -116,8 +117,12 @@ class Kernel:
             if t.device != q.device:
                 raise InputError(f"input {decl.name!r} is on {t.device}, q on {q.device}")
             if t.requires_grad and torch.is_grad_enabled():
-                raise InputError(f"input {decl.name!r} requires grad: gradients with respect to declared inputs are not "
-                                 f"implemented yet (pass {decl.name}.detach() to treat it as a constant)")
+                for g in self.plan.read_grads:
+                    if g.read.input == decl.name and g.kind == "unsupported":
+                        raise InputError(
+                            f"input {decl.name!r} requires grad, but the score reads it as {format_expr(g.read)}: gradients "
+                            f"are computed for reads indexed by bare b, h, q_idx, kv_idx or constants, or by expressions "
+                            f"without q_idx and kv_idx (pass {decl.name}.detach() to treat it as a constant)")
             for axis, (dim, size) in enumerate(zip(decl.dims, t.shape)):
                 if isinstance(dim, int):
                     if size != dim:
@@ -184,8 +189,63 @@ class _AttentionFunction(torch.autograd.Function):
             return (None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
-        return (None, None, dq, dk, dv) + (None,) * len(inputs)
+        wanted = ctx.needs_input_grad[5:]
+        if not any(wanted):
+            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
+            return (None, None, dq, dk, dv) + (None,) * len(inputs)
+        supported = [g for g in ctx.kernel.plan.read_grads if g.kind != "unsupported"]
+        terms = []
+        if supported:
+            dq, dk, dv, terms = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, input_grads=True)
+        else:
+            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
+        grads = _reduce_input_grads(ctx.kernel.spec, dims, dict(zip((d.name for d in ctx.kernel.spec.inputs), inputs)), supported, terms)
+        return (None, None, dq, dk, dv) + tuple(grads.get(d.name) if w else None for d, w in zip(ctx.kernel.spec.inputs, wanted))
+
+
+_AXES = ("b", "h", "q_idx", "kv_idx")  # the axes of a direct read's term buffer (B, H, Nq, Nk)
+
+
+def _reduce_input_grads(spec: Spec, dims: _Dims, inputs: dict[str, torch.Tensor], reads, terms) -> dict[str, torch.Tensor]:
+    """Each float input's gradient from the dQ kernel's terms, in a fixed order (deterministic). An input with
+    no differentiable read in the score (read only by the mask, or not at all) gets zeros: the mask is
+    piecewise constant."""
+    grads = {name: torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.device.type == "cpu" else torch.float32)
+             for name, t in inputs.items() if t.is_floating_point()}
+    scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
+    for g, term in zip(reads, terms):
+        x = inputs[g.read.input]
+        grad = grads[g.read.input]
+        if g.kind == "uniform":  # one element per (b, h): sum the rows, then add at the element's flat offset
+            per_bh = term.sum(2).cpu().double()
+            env = {"b": torch.arange(dims.batch).view(-1, 1), "h": torch.arange(dims.heads).view(1, -1),
+                   "q_len": dims.q_len, "kv_len": dims.kv_len}
+            cpu_inputs = {name: t.detach().cpu() for name, t in inputs.items()}
+            index = [torch.as_tensor(evaluate(i, env, cpu_inputs, scope, torch.float64)).long().broadcast_to(per_bh.shape) for i in g.read.indices]
+            valid = torch.ones(per_bh.shape, dtype=torch.bool)
+            flat = torch.zeros(per_bh.shape, dtype=torch.long)
+            for i, size in zip(index, x.shape):
+                valid &= (i >= 0) & (i < size)  # reads outside the input gave 0: no gradient
+                flat = flat * size + i.clamp(0, size - 1)
+            summed = torch.zeros(x.numel(), dtype=torch.float64).index_add_(0, flat[valid], per_bh[valid])  # CPU: in order
+            grad += summed.view(x.shape).to(grad)
+        else:  # direct: sum the term over the axes the read does not use, then place it
+            used = [i.name for i in g.read.indices if isinstance(i, Var)]
+            t = term.sum(dim=[a for a, name in enumerate(_AXES) if name not in used]) if len(used) < 4 else term
+            t = t.permute([sorted(used, key=_AXES.index).index(name) for name in used])
+            target, source = [], [slice(None)] * len(used)
+            for axis, (i, size) in enumerate(zip(g.read.indices, x.shape)):
+                if isinstance(i, Var):
+                    n = min(size, t.shape[used.index(i.name)])
+                    target.append(slice(0, n))
+                    source[used.index(i.name)] = slice(0, n)
+                elif 0 <= i.value < size:
+                    target.append(i.value)
+                else:
+                    break  # a constant index outside the input: read as 0, no gradient
+            else:
+                grad[tuple(target)] += t[tuple(source)].to(grad)
+    return {name: g.to(inputs[name].dtype) for name, g in grads.items()}
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,

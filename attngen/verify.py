@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .naive import reference
+from .expr import SCORE_VARS, Scope
+from .naive import evaluate, reference
 
 # (batch, query heads, key/value heads, q_len, kv_len): a single token, an odd length, GQA with
 # q_len != kv_len, MQA with short queries and long keys, and tile-aligned lengths.
@@ -88,15 +89,22 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
     v = torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=dtype)
     do = torch.randn(B, Hq, Nq, D, generator=gen).to(device=device, dtype=dtype)
     inputs = make_inputs(spec, B, Hq, Nq, Nk, device, gen)
-    leaves = [t.requires_grad_(backward) for t in (q, k, v)]
+    # float inputs the backward differentiates (read in the score) are checked like q, k and v
+    grad_inputs = sorted({g.read.input for g in kernel.plan.read_grads if g.kind != "unsupported"}) if backward else []
+    for name in grad_inputs:
+        inputs[name].requires_grad_()
+    leaves = [t.requires_grad_(backward) for t in (q, k, v)] + [inputs[name] for name in grad_inputs]
 
-    out, lse = kernel(*leaves, return_lse=True, **inputs)
+    out, lse = kernel(*leaves[:3], return_lse=True, **inputs)
     # float64 reference on the same device (exact enough to be the truth), and the same-precision naive attention
-    wide = [t.detach().double().requires_grad_(backward) for t in leaves]
-    ref, ref_lse = reference(spec, *wide, return_lse=True, dtype=torch.float64, **inputs)
+    wide = [t.detach().double().requires_grad_(backward) for t in leaves[:3]]
+    wide_inputs = {**inputs, **{name: inputs[name].detach().double().requires_grad_() for name in grad_inputs}}
+    wide += [wide_inputs[name] for name in grad_inputs]
+    ref, ref_lse = reference(spec, *wide[:3], return_lse=True, dtype=torch.float64, **wide_inputs)
     ref_lse = ref_lse.detach().cpu()
     naive_leaves = [t.detach().clone().requires_grad_(backward) for t in leaves]
-    naive = reference(spec, *naive_leaves, dtype=dtype, **inputs)
+    naive_inputs = {**inputs, **dict(zip(grad_inputs, naive_leaves[3:]))}
+    naive = reference(spec, *naive_leaves[:3], dtype=dtype, **naive_inputs)
 
     res = Result(shape, spec.dtype.value)
     res.nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
@@ -110,10 +118,12 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
         grads = torch.autograd.grad(out, leaves, do)
         ref_grads = [g.cpu() for g in torch.autograd.grad(ref, wide, do.double())]
         naive_grads = torch.autograd.grad(naive, naive_leaves, do)
-        terms = _gradient_terms(spec.softmax_scale, *(t.detach() for t in wide), do.double(), Hq // Hkv, lse_peak)
-        for name, g, rg, ng in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+        terms = _gradient_terms(spec.softmax_scale, *(t.detach() for t in wide[:3]), do.double(), Hq // Hkv, lse_peak)
+        read_terms = _read_terms(kernel, *(t.detach() for t in wide[:3]), do.double(), wide_inputs)
+        names = ["dq", "dk", "dv"] + [f"d{name}" for name in grad_inputs]
+        for name, g, rg, ng in zip(names, grads, ref_grads, naive_grads):
             res.nan |= bool(torch.isnan(g).any())
-            res.errors[name] = _bound(g.cpu(), ng.cpu(), rg, 3, terms)
+            res.errors[name] = _bound(g.cpu(), ng.cpu(), rg, 3, terms if name in ("dq", "dk", "dv") else read_terms[name[1:]])
     return res
 
 
@@ -128,13 +138,38 @@ def _gradient_terms(scale: float, q, k, v, do, group: int, lse_peak: float) -> f
     return max(scale * dp * max(q.max().item(), k.max().item()), (score + lse_peak) * do.max().item())
 
 
+def _read_terms(kernel, q, k, v, do, inputs: dict) -> dict[str, float]:
+    """Per differentiated input: the largest term its gradient sums, |dP| * |d score / d read| (|delta| <= max
+    |dP|, so each term d loss/d score * d score/d read = P (dP - delta) * ... is at most twice that)."""
+    spec = kernel.spec
+    group = q.shape[1] // k.shape[1]
+    out: dict[str, float] = {}
+    if q.numel() == 0 or k.numel() == 0:
+        return {g.read.input: 0.0 for g in kernel.plan.read_grads}
+    kf, vf = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    dp = (do.abs() @ vf.abs().transpose(-1, -2)).max().item()
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    dev = q.device
+    env = {"b": torch.arange(B, device=dev).view(B, 1, 1, 1), "h": torch.arange(H, device=dev).view(1, H, 1, 1),
+           "q_idx": torch.arange(Nq, device=dev).view(1, 1, Nq, 1), "kv_idx": torch.arange(Nk, device=dev).view(1, 1, 1, Nk),
+           "q_len": Nq, "kv_len": Nk, "score": (q @ kf.transpose(-1, -2)) * spec.softmax_scale}
+    scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
+    detached = {name: t.detach() for name, t in inputs.items()}
+    for g in kernel.plan.read_grads:
+        d = torch.as_tensor(evaluate(g.derivative, env, detached, scope, torch.float64)).abs()
+        d = d[torch.isfinite(d)]
+        out[g.read.input] = max(out.get(g.read.input, 0.0), 2 * dp * (d.max().item() if d.numel() else 0.0))
+    return out
+
+
 def _bound(got: torch.Tensor, naive: torch.Tensor, ref: torch.Tensor, factor: int, terms: float = 0.0) -> tuple[float, float, float]:
     naive_err = _err(naive, ref)
     return _err(got, ref), naive_err, factor * naive_err + _floor(ref, terms)
 
 
 def format_table(title: str, results: list[Result]) -> str:
-    names = ["out", "lse", "dq", "dk", "dv"]
+    names = list(dict.fromkeys(["out", "lse", "dq", "dk", "dv"] + [n for r in results for n in r.errors]))
     head = f"{'shape (B,Hq,Hkv,Nq,Nk)':<26}{'dtype':<6}" + "".join(f"{n + ' err/bound':>20}" for n in names) + "  status"
     lines = [title, head, "-" * len(head)]
     for r in results:

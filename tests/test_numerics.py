@@ -38,6 +38,11 @@ VARIANTS = {
     "document_tiles_16": "attention v { head_dim = 32 input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] and q_idx >= kv_idx block_m = 16 block_n = 16 }",
     "padding_tiles_16": "attention v { head_dim = 32 input lens: int32[B] mask = kv_idx < lens[b] block_m = 16 block_n = 32 }",
     "bool_tiles_16": "attention v { head_dim = 32 input allowed: bool[B, N] mask = allowed[b, kv_idx] and q_idx >= kv_idx block_m = 16 block_n = 16 }",
+    # float inputs read in the score get gradients (checked like dq/dk/dv): a (B, H, Nq, Nk) term buffer for
+    # direct reads, per-row sums for reads without q_idx/kv_idx
+    "bias_grad": "attention v { head_dim = 32 input bias: fp32[H, N, N] mask = q_idx >= kv_idx and q_idx - kv_idx < 40 score = score + bias[h, q_idx, kv_idx] block_m = 16 block_n = 16 }",
+    "key_bias_softcap_grad": "attention v { head_dim = 32 input kb: fp32[B, N] score = 10.0 * tanh((score + kb[b, kv_idx]) / 10.0) }",
+    "head_temperature_grad": "attention v { head_dim = 32 input temp: fp32[H] input tab: fp32[3, N] mask = q_idx >= kv_idx score = score * temp[h] + tab[1, kv_idx] - tab[2, 5] }",
     "softcap_bottom_right_tiles_16": "attention v { head_dim = 32 mask = q_idx + kv_len - q_len >= kv_idx score = 10.0 * tanh(score / 10.0) block_m = 16 block_n = 32 }",
 }
 
@@ -140,13 +145,18 @@ def test_empty_sequences(device, target):
 
 
 def test_backward_is_deterministic(device, target):
-    """No atomics: two backward passes give bit-identical gradients (GQA sums happen in registers)."""
-    kern = _compile(load_spec("attention t { head_dim = 32 mask = q_idx >= kv_idx }"), "fp16", target)
+    """No atomics: two backward passes give bit-identical gradients (GQA sums happen in registers, input
+    gradients are reduced in a fixed order)."""
+    kern = _compile(load_spec("attention t { head_dim = 32 input slopes: fp32[H] input bias: fp32[H, N, N] "
+                              "mask = q_idx >= kv_idx score = score - slopes[h] * (q_idx - kv_idx) + bias[h, q_idx, kv_idx] }"), "fp16", target)
     gen = torch.Generator().manual_seed(4)
     q = _rand(2, 8, 70, 32, device=device, dtype=torch.float16, gen=gen).requires_grad_()
     k, v = (_rand(2, 2, 70, 32, device=device, dtype=torch.float16, gen=gen).requires_grad_() for _ in range(2))
-    first = torch.autograd.grad(kern(q, k, v).sum(), (q, k, v))
-    second = torch.autograd.grad(kern(q, k, v).sum(), (q, k, v))
+    slopes = _rand(8, device=device, dtype=torch.float32, gen=gen).requires_grad_()
+    bias = _rand(8, 70, 70, device=device, dtype=torch.float32, gen=gen).requires_grad_()
+    leaves = (q, k, v, slopes, bias)
+    first = torch.autograd.grad(kern(q, k, v, slopes=slopes, bias=bias).sum(), leaves)
+    second = torch.autograd.grad(kern(q, k, v, slopes=slopes, bias=bias).sum(), leaves)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
@@ -161,14 +171,16 @@ class _Broken:
         o, lse = self._module.attention_forward(*args)
         return (o * self._factor if self._which == "out" else o), lse
 
-    def attention_backward(self, *args):
-        dq, dk, dv = self._module.attention_backward(*args)
-        return dq, (dk * self._factor if self._which == "dk" else dk), dv
+    def attention_backward(self, *args, **kwargs):
+        dq, dk, dv, *terms = self._module.attention_backward(*args, **kwargs)
+        if terms:  # the input-gradient terms
+            terms = [[t * self._factor for t in terms[0]] if self._which == "dbias" else terms[0]]
+        return (dq, (dk * self._factor if self._which == "dk" else dk), dv, *terms)
 
 
-@pytest.mark.parametrize("which", ["out", "dk"])
+@pytest.mark.parametrize("which", ["out", "dk", "dbias"])
 def test_verify_catches_a_one_percent_error(which, device, target):
-    kern = _compile(load_spec("attention t { head_dim = 32 mask = q_idx >= kv_idx }"), "fp16", target)
+    kern = _compile(load_spec("attention t { head_dim = 32 input bias: fp32[H, N] mask = q_idx >= kv_idx score = score + bias[h, kv_idx] }"), "fp16", target)
     assert verify.check_one(kern, (1, 2, 2, 40, 40), device).ok
     broken = attngen.Kernel(kern.spec, kern.plan, kern.source, kern.path, _Broken(kern.module, which))
     result = verify.check_one(broken, (1, 2, 2, 40, 40), device)

@@ -92,12 +92,12 @@ def test_reference_accepts_a_kernel_and_inputs(padded):
     assert torch.allclose(out[1], manual)
 
 
-def test_inputs_requiring_grad_are_refused_not_silently_dropped(target):
-    kern = attngen.compile("attention t { head_dim = 64 dtype = fp32 input slopes: fp32[H] score = score - slopes[h] }", target)
+def test_input_gradients_only_for_reads_it_can_reduce(target):
+    kern = attngen.compile("attention t { head_dim = 64 dtype = fp32 input rel: fp32[H, N] score = score + rel[h, q_idx - kv_idx + 8] }", target)
     q, k, v = _qkv(dtype=torch.float32)
-    slopes = torch.rand(4, device=q.device, requires_grad=True)
-    with pytest.raises(InputError, match=r"input .slopes. requires grad: .*\(pass slopes.detach\(\)"):
-        kern(q, k, v, slopes=slopes)
+    rel = torch.rand(4, 32, device=q.device, requires_grad=True)
+    with pytest.raises(InputError, match=r"input 'rel' requires grad, but the score reads it as rel\[h, q_idx - kv_idx \+ 8\]"):
+        kern(q, k, v, rel=rel)
     with torch.no_grad():
-        kern(q, k, v, slopes=slopes)  # no gradient wanted: fine
-    assert kern(q, k, v, slopes=slopes.detach()).shape == q.shape
+        kern(q, k, v, rel=rel)  # no gradient wanted: fine
+    assert kern(q, k, v, rel=rel.detach()).shape == q.shape
