@@ -236,8 +236,21 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
             bm //= 2
     steps.append(Step("forward registers", f"(BM*d_pad + BM*BN + q tile) / {32 * warps} threads", f"{regs} per thread"))
 
-    q_bytes = bm * dp * isz
-    stage_bytes = 2 * bn * dp * isz
+    # fp32 products (input_precision="ieee") feed P to the second product through shared memory; 16-bit P stays in
+    # registers. Measured on the H100: fp32 at d=64 with 3 stages needed 246016 bytes where Q + 3 K/V stages are 212992.
+    def smem_use(bm: int, bn: int) -> tuple[int, int]:
+        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0), 2 * bn * dp * isz
+
+    q_bytes, stage_bytes = smem_use(bm, bn)
+    while (smem - q_bytes) // stage_bytes < 1 and max(bm, bn) > MIN_TILE and not (spec.block_m or spec.block_n):
+        need = q_bytes + stage_bytes
+        if bn >= bm:
+            bn //= 2
+            steps.append(Step("shared memory", f"Q tile + one K/V stage = {need} > {smem} bytes", f"BLOCK_N -> {bn}"))
+        else:
+            bm //= 2
+            steps.append(Step("shared memory", f"Q tile + one K/V stage = {need} > {smem} bytes", f"BLOCK_M -> {bm}"))
+        q_bytes, stage_bytes = smem_use(bm, bn)
     stages = (smem - q_bytes) // stage_bytes
     if stages < 1:
         raise PlanError(
@@ -245,7 +258,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
             f"{tgt.full_name} has {smem} per block (lower block_m / block_n)"
         )
     stages_c = min(MAX_STAGES, stages)
-    steps.append(Step("forward num_stages", f"min({MAX_STAGES}, (smem - Q tile {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages_c}"))
+    steps.append(Step("forward num_stages", f"min({MAX_STAGES}, (smem - Q tile{' - P tile' if spec.dtype is DType.FP32 else ''} {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages_c}"))
 
     # Backward, dK/dV kernel: dK and dV accumulators (2 x BN x d_pad fp32) plus the transposed score and dP tiles.
     bwd_warps = 8 if dp >= 64 else 4
@@ -256,6 +269,13 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     while _regs(2 * kbn * dp + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbn > MIN_TILE:
         kbn //= 2
     steps.append(Step("backward dK/dV tiles", f"(2*BN*d_pad + 2*BN*BM) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_N={kbn}, BLOCK_M={kbm}"))
+    if tgt.arch >= 90 and dp == 128 and spec.dtype is not DType.FP32 and not spec.block_n:
+        # benchmarks/sweep.py on the H100 (BENCHMARKS.md): of 18 dK/dV configs at d=128 in bf16, 64x32 tiles with 4 warps were
+        # the fastest for causal (1.09x the rule above) and sliding-window (1.12x) masks
+        kbn, kbm, dkdv_warps = 64, 32, 4
+        steps.append(Step("backward dK/dV tiles, measured", "best of benchmarks/sweep.py at d=128, bf16, sm_90", "BLOCK_N=64, BLOCK_M=32, 4 warps"))
+    else:
+        dkdv_warps = bwd_warps
     # dQ kernel: dQ accumulator (BM x d_pad) plus score and dP tiles (BM x BN).
     qbm, qbn = bm, 64
     while _regs(qbm * dp + 2 * qbm * qbn, bwd_warps) > REG_BUDGET and qbn > MIN_TILE:
@@ -263,10 +283,10 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     while _regs(qbm * dp + 2 * qbm * qbn, bwd_warps) > REG_BUDGET and qbm > MIN_TILE:
         qbm //= 2
     steps.append(Step("backward dQ tiles", f"(BM*d_pad + 2*BM*BN) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_M={qbm}, BLOCK_N={qbn}"))
-    resident = 2 * kbn * dp * isz
+    resident = 2 * kbn * dp * isz + (2 * kbn * max(kbm, qbn) * 4 if spec.dtype is DType.FP32 else 0)  # fp32: P and dS via smem
     bwd_stage = 2 * kbm * dp * isz
     bwd_stages = max(1, min(MAX_STAGES, (smem - resident) // bwd_stage))
-    steps.append(Step("backward num_stages", f"min({MAX_STAGES}, (smem - K,V {resident}) // (Q+dO stage {bwd_stage}))", f"{bwd_stages}"))
+    steps.append(Step("backward num_stages", f"min({MAX_STAGES}, (smem - K,V{' - P,dS' if spec.dtype is DType.FP32 else ''} {resident}) // (Q+dO stage {bwd_stage}))", f"{bwd_stages}"))
 
     mask = effective_mask(spec)
     score = spec.score
@@ -288,7 +308,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         bwd_block_n=kbn,
         dq_block_m=qbm,
         dq_block_n=qbn,
-        bwd_num_warps=bwd_warps,
+        bwd_num_warps=dkdv_warps,
         bwd_num_stages=bwd_stages,
         dq_num_warps=bwd_warps,
         dq_num_stages=bwd_stages,

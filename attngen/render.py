@@ -87,6 +87,10 @@ class _KernelCode:
     dscore: str
     read_grads: list["_ReadGradCode"]
 
+    @property
+    def has_uniform_grads(self) -> bool:
+        return any(g.kind == "uniform" for g in self.read_grads)
+
 
 @dataclass(frozen=True)
 class _ReadGradCode:
