@@ -31,6 +31,21 @@ def time_fwd_bwd(fwd, q, k, v, do) -> tuple[float, float]:
     return t_fwd, max(t_all - t_fwd, 1e-9)
 
 
+def measure(name: str, fn, q, k, v, do, error_of, fwd_flop: float) -> dict:
+    """Check fn(q, k, v) first (error_of(out) is its max error against a reference; more than 3e-2 or any NaN
+    fails), then time its forward and backward. A failure is reported in the result, not raised: one provider
+    failing must not hide the others."""
+    try:
+        out = fn(q, k, v)
+        err = error_of(out)
+        assert err < 3e-2 and not torch.isnan(out).any(), f"{name}: max error {err} against the reference"
+        t_fwd, t_bwd = time_fwd_bwd(fn, q, k, v, do)
+        return {"fwd_ms": t_fwd, "bwd_ms": t_bwd, "max_err": err,
+                "fwd_tflops": fwd_flop / t_fwd * 1e-9, "bwd_tflops": 2.5 * fwd_flop / t_bwd * 1e-9}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 def sdpa(backend, q, k, v, causal: bool):
     with sdpa_kernel(backend):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)

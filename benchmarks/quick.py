@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from harness import SDPA_CUDNN, SDPA_FLASH, flex, matmul_tflops, sdpa, time_fwd_bwd, versions  # noqa: E402
+from harness import SDPA_CUDNN, SDPA_FLASH, flex, matmul_tflops, measure, sdpa, versions  # noqa: E402
 
 
 def main():
@@ -51,14 +51,7 @@ def main():
                 ref = sdpa(SDPA_FLASH, q, k, v, causal).float()
             row = {"N": N, "B": B, "H": H, "d": D, "mask": mask}
             for name, fn in providers.items():
-                try:
-                    out = fn(q, k, v)
-                    err = (out.float() - ref).abs().max().item()
-                    assert err < 3e-2 and not torch.isnan(out).any(), f"{name}: max error {err} against SDPA flash"
-                    t_fwd, t_bwd = time_fwd_bwd(fn, q, k, v, do)
-                    row[name] = {"fwd_ms": t_fwd, "bwd_ms": t_bwd, "fwd_tflops": fwd_flop / t_fwd * 1e-9, "bwd_tflops": 2.5 * fwd_flop / t_bwd * 1e-9, "max_err": err}
-                except Exception as exc:  # report and keep going: one provider failing must not hide the others
-                    row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                row[name] = measure(name, fn, q, k, v, do, lambda out: (out.float() - ref).abs().max().item(), fwd_flop)
             rows.append(row)
             print(json.dumps(row), flush=True)
     mm = matmul_tflops()
