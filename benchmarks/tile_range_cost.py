@@ -27,7 +27,7 @@ H, D, N = 16, 128, 16384
 def kernel_with_width(spec, width: int) -> Kernel:
     p = make_plan(spec)
     key, source = build_source(p)
-    default = "TILES_PER_STEP = tl.constexpr(64)"
+    default = "TILES_PER_STEP = tl.constexpr(256)"
     assert default in source
     source = source.replace(default, f"TILES_PER_STEP = tl.constexpr({width})")
     path = cache.store(spec.name, f"{key}_w{width}", source)
