@@ -314,3 +314,25 @@ def test_nan_guards_only_where_a_row_may_keep_no_key(mask, keeps):
             scope = ex.Scope("mask", ex.MASK_VARS, kern.spec.inputs_by_name)
             inputs = {"prefix": torch.zeros(1, dtype=torch.int32), "doc": torch.zeros(1, q_len, dtype=torch.int32)}
             assert bool(torch.as_tensor(evaluate_torch(kern.plan.mask, env, inputs, scope, torch.float64)).all())
+
+
+@pytest.mark.skipif("not __import__('os').environ.get('TRITON_INTERPRET')", reason="runs generated code in Triton's interpreter")
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64, torch.bool])
+def test_input_pre_pass_gives_chunk_minima_and_maxima(dtype):
+    import attngen
+
+    kern = attngen.compile("attention t { head_dim = 16 dtype = fp32 input x: int32[B, N, 5] mask = x[b, kv_idx, 2] == 1 }", "h100")
+    chunk = min(kern.plan.tile_sizes)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(-100, 100, (3, 70, 5), generator=gen)
+    x = (x > 0) if dtype is torch.bool else x.to(dtype)
+    for axis in range(3):
+        got = kern.module._bounds_of(x.transpose(0, 2) if axis == 2 else x, 1 if axis == 2 else axis)  # non-contiguous too
+        t = (x.transpose(0, 2) if axis == 2 else x).to(torch.int64)
+        ax = 1 if axis == 2 else axis
+        n = t.shape[ax]
+        lo, hi = (g.reshape(*t.shape[:ax], -1, *t.shape[ax + 1:]).to(torch.int64) for g in got)  # [2, outer, chunks, inner]
+        for c in range(-(-n // chunk)):
+            part = t.narrow(ax, c * chunk, min(chunk, n - c * chunk))
+            assert torch.equal(lo.select(ax, c), part.amin(ax)), (dtype, axis, c)
+            assert torch.equal(hi.select(ax, c), part.amax(ax)), (dtype, axis, c)
