@@ -48,7 +48,8 @@ def cmd_plan(args) -> int:
             print(f"full {counts[TileClass.FULL]}, partial {counts[TileClass.PARTIAL]}, empty {counts[TileClass.EMPTY]} "
                   f"of {total} tiles; {100 * (total - counts[TileClass.EMPTY]) / total:.1f}% must be visited")
             print("(proved by interval analysis of the mask: the kernels skip empty tiles and run full ones without masking;\n"
-                  " parts of a mask that read inputs are undecided here, so such tiles count as partial)")
+                  " parts of a mask that read inputs are undecided here, so such tiles count as partial; the kernels\n"
+                  " decide them at run time from the inputs' per-chunk minima and maxima)")
     return 0
 
 
