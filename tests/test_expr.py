@@ -60,6 +60,27 @@ def test_derivative_matches_autograd(e):
     assert torch.allclose(ours, auto, rtol=1e-9, atol=1e-9) or _ties_explain(e, ours, auto)
 
 
+@settings(max_examples=200, deadline=None)
+@given(float_exprs())
+def test_read_derivative_matches_autograd(e):
+    """d e / d w[h] for a score expression whose `score` leaves read an input instead (plus a score term, whose
+    derivative with respect to the read is 0), against torch autograd through the read."""
+    from attngen.spec import Binary, Index, Var
+
+    read = Index("w", (Var("h"),))
+    e = Binary("+", ex.substitute(e, {"score": read}), Binary("*", Const(0.5, Type.FLOAT), Var("score")))
+    scope = ex.Scope("score", ex.SCORE_VARS, {"w": InputDecl("w", "fp32", ("H",))})
+    w = torch.linspace(-4, 4, 97, dtype=torch.float64, requires_grad=True)
+    env = {"h": torch.arange(97), "score": torch.linspace(-1, 1, 97, dtype=torch.float64)}
+    value = torch.as_tensor(evaluate(e, env, {"w": w}, scope, torch.float64)).broadcast_to(w.shape)
+    (auto,) = torch.autograd.grad(value.sum(), w, allow_unused=True) if value.requires_grad else (None,)
+    auto = torch.zeros_like(w) if auto is None else auto  # a constant expression
+    ours = torch.as_tensor(evaluate(ex.read_derivative(e, scope, read), env, {"w": w.detach()}, scope, torch.float64), dtype=torch.float64)
+    ours = ours.broadcast_to(w.shape)
+    assert not torch.isnan(ours).any()
+    assert torch.allclose(ours, auto, rtol=1e-9, atol=1e-9) or _ties_explain(e, ours, auto)
+
+
 def _ties_explain(e, ours, auto):
     bad = ~torch.isclose(ours, auto, rtol=1e-9, atol=1e-9)
     return bad.float().mean() < 0.05 and _has_kink(e)
