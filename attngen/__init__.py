@@ -14,7 +14,7 @@ from .errors import AttngenError, InputError, PlanError, SpecError, SpecSyntaxEr
 def __getattr__(name):
     # Heavy pieces (torch, triton) load on first use, so `import attngen` stays cheap and the CLI can set
     # TRITON_INTERPRET before Triton is imported.
-    if name in ("compile", "Kernel"):
+    if name in ("compile", "Kernel", "dropout_mask"):
         from . import runtime
 
         return getattr(runtime, name)
@@ -38,5 +38,6 @@ __all__ = [
     "compile",
     "Kernel",
     "reference",
+    "dropout_mask",
     "load_spec",
 ]

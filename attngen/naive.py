@@ -96,23 +96,44 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
 
 
 def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype: torch.dtype | None = None,
-              return_lse: bool = False, **inputs: torch.Tensor):
+              return_lse: bool = False, dropout_p: float = 0.0, seed: int | None = None, **inputs: torch.Tensor):
     """Naive attention for `spec` (a Spec or a compiled kernel). Differentiable with torch autograd.
+    With dropout_p > 0 (and the seed given to the kernel), probabilities are multiplied by
+    attngen.dropout_mask(seed, ...) / (1 - dropout_p): the kernels' exact pattern, not a statistical match.
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D). Computes in `dtype` (default: float64 on CPU, float32 on
     CUDA) and returns the output in that dtype, plus the row log-sum-exp (natural log, -inf for a row that
     keeps no key) when return_lse. Rows that keep no key give 0.
     """
-    spec = getattr(spec, "spec", spec)
-    if dtype is None:
-        dtype = torch.float64 if q.device.type == "cpu" else torch.float32
+    dtype = dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
+    p, lse = _softmax(getattr(spec, "spec", spec), q, k, dtype, inputs)
+    B, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if dropout_p > 0.0:
+        if seed is None:
+            raise ValueError("reference(..., dropout_p > 0) needs the seed the kernel was called with")
+        from .runtime import dropout_mask  # the kernels' keep pattern (generated code; Triton)
+
+        keep = dropout_mask(seed, dropout_p, B, Hq, Nq, Nk, q.device)
+        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
+    vf = v.to(dtype).repeat_interleave(Hq // Hkv, dim=1) if Hq != Hkv else v.to(dtype)
+    out = torch.matmul(p, vf)
+    return (out, lse) if return_lse else out
+
+
+def probabilities(spec, q: torch.Tensor, k: torch.Tensor, *, dtype: torch.dtype | None = None, **inputs: torch.Tensor) -> torch.Tensor:
+    """The naive attention's probabilities P (B, Hq, Nq, Nk), before dropout; rows that keep no key are 0."""
+    return _softmax(getattr(spec, "spec", spec), q, k, dtype or (torch.float64 if q.device.type == "cpu" else torch.float32), inputs)[0]
+
+
+def _softmax(spec, q, k, dtype, inputs):
+    """(P, row log-sum-exp) of the spec's scores and mask, in `dtype`."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
+    qf, kf = q.to(dtype), k.to(dtype)
     if group > 1:
         kf = kf.repeat_interleave(group, dim=1)
-        vf = vf.repeat_interleave(group, dim=1)
     dev = q.device
     qk = torch.matmul(qf, kf.transpose(-1, -2))
     score = qk * spec.softmax_scale
@@ -139,9 +160,4 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     e = torch.exp(score - row_max)
     denom = e.sum(dim=-1, keepdim=True)
     p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
-    out = torch.matmul(p, vf)
-    if not return_lse:
-        return out
-    lse = (row_max + torch.log(denom)).squeeze(-1)
-    return out, lse
-
+    return p, (row_max + torch.log(denom)).squeeze(-1)

@@ -183,8 +183,6 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     """Derive the kernel plan. Pure: the same spec and target always give the same plan. `classify=False`
     turns tile classification off (every tile visited and masked): a baseline for measurements."""
     tgt = resolve_target(spec, target)
-    if spec.dropout > 0.0:
-        raise PlanError(f"{spec.name}: dropout is not implemented yet (dropout = {spec.dropout}); set dropout = 0.0")
     if spec.sparsity == "runtime":
         raise PlanError(f"{spec.name}: sparsity = runtime (block masks passed at call time) is not implemented yet")
     if spec.dtype is DType.BF16 and not tgt.supports_bf16:

@@ -146,6 +146,7 @@ def context(plan: KernelPlan) -> dict:
         "has_mask": plan.mask is not None,
         "classify": plan.classify,
         "has_score": plan.score is not None,
+        "has_dropout": plan.spec.dropout > 0.0,
         "guard_rows": plan.may_mask_rows,
         "pad_d": plan.head_dim_pad != plan.head_dim,
         # float32 specs ask for exact float32 products: Triton's default for fp32 dots is TF32 on the GPU.
@@ -173,10 +174,23 @@ def build_source(plan: KernelPlan) -> tuple[str, str]:
     return key, source
 
 
+def build_dropout_source() -> tuple[str, str]:
+    """(cache key, source) of the module behind attngen.dropout_mask: the keep pattern alone."""
+    from .cache import cache_key
+
+    ver = versions()
+    source = _render_template("dropout_module.py.jinja", {"versions": ver})
+    return cache_key("dropout", templates_digest(), ver["attngen"], ver["triton"], ver["torch"]), source
+
+
 def render(plan: KernelPlan) -> str:
     """The generated module's source text."""
+    return _render_template("module.py.jinja", context(plan))
+
+
+def _render_template(name: str, values: dict) -> str:
     try:
-        return _env().get_template("module.py.jinja").render(**context(plan))
+        return _env().get_template(name).render(**values)
     except jinja2.TemplateSyntaxError as err:
         raise TemplateError(f"{err.filename or err.name}:{err.lineno}: {err.message}") from err
     except jinja2.TemplateError as err:

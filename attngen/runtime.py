@@ -18,7 +18,7 @@ from .expr import SCORE_VARS, Scope, children, format_expr
 from .naive import evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
-from .render import build_source
+from .render import build_dropout_source, build_source
 from .spec import Index, Spec, Var
 
 _TORCH_DTYPES = {
@@ -145,12 +145,34 @@ class Kernel:
             if size < n:
                 raise InputError(f"input {name!r} is indexed by {var} on dimension {axis}, which has size {size}; {var} goes up to {n - 1} ({what} = {n})")
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, **inputs: torch.Tensor):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False,
+                 dropout_p: float | None = None, seed: int | None = None, **inputs: torch.Tensor):
+        """O (and the natural-log row log-sum-exp with return_lse). Dropout: `dropout_p` overrides the spec's
+        `dropout` (0.0 at evaluation); `seed` (default: drawn from torch's CPU generator, so torch.manual_seed
+        makes runs repeatable) fixes the pattern, which attngen.dropout_mask gives exactly."""
         dims, tensors = self._check(q, k, v, inputs)
-        o, lse2 = _AttentionFunction.apply(self, dims, q, k, v, *tensors)
+        dropout = self._dropout(dropout_p, seed)
+        o, lse2 = _AttentionFunction.apply(self, dims, dropout, q, k, v, *tensors)
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
+
+
+    def _dropout(self, dropout_p: float | None, seed: int | None) -> dict:
+        """The dropout keyword arguments of the generated launchers ({} for a spec without dropout)."""
+        if self.spec.dropout == 0.0:
+            if dropout_p:
+                raise InputError(f"dropout_p={dropout_p}, but the spec {self.spec.name!r} has no dropout: set `dropout = p` in "
+                                 f"the spec (the dropout path is compiled only then)")
+            return {}
+        p = self.spec.dropout if dropout_p is None else dropout_p
+        if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise InputError(f"dropout_p must be a probability in [0, 1), got {p!r}")
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        elif not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise InputError(f"seed must be a non-negative integer below 2**63, got {seed!r}")
+        return {"dropout_p": float(p), "seed": seed}
 
 
 def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
@@ -169,14 +191,15 @@ def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, kernel: Kernel, dims: _Dims, q, k, v, *inputs):
+    def forward(ctx, kernel: Kernel, dims: _Dims, dropout: dict, q, k, v, *inputs):
         ctx.set_materialize_grads(False)
         if dims.q_len == 0 or dims.kv_len == 0:  # nothing to attend to (or no query): O = 0, lse = -inf
             o = q.new_zeros(q.shape)
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         else:
-            o, lse = kernel.module.attention_forward(q, k, v, *inputs)
+            o, lse = kernel.module.attention_forward(q, k, v, *inputs, **dropout)
         ctx.kernel = kernel
+        ctx.dropout = dropout
         ctx.dims = dims
         ctx.save_for_backward(q, k, v, o, lse, *inputs)
         return o, lse
@@ -186,21 +209,21 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, *inputs = ctx.saved_tensors
         dims = ctx.dims
         if (do is None and dlse is None) or dims.q_len == 0 or dims.kv_len == 0:
-            return (None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
+            return (None, None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
         if do is None:
             do = torch.zeros_like(o)
-        wanted = ctx.needs_input_grad[5:]
+        wanted = ctx.needs_input_grad[6:]
         if not any(wanted):
-            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
-            return (None, None, dq, dk, dv) + (None,) * len(inputs)
+            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.dropout)
+            return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
         supported = [g for g in ctx.kernel.plan.read_grads if g.kind != "unsupported"]
         terms = []
         if supported:
-            dq, dk, dv, terms = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, input_grads=True)
+            dq, dk, dv, terms = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, input_grads=True, **ctx.dropout)
         else:
-            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
+            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.dropout)
         grads = _reduce_input_grads(ctx.kernel.spec, dims, dict(zip((d.name for d in ctx.kernel.spec.inputs), inputs)), supported, terms)
-        return (None, None, dq, dk, dv) + tuple(grads.get(d.name) if w else None for d, w in zip(ctx.kernel.spec.inputs, wanted))
+        return (None, None, None, dq, dk, dv) + tuple(grads.get(d.name) if w else None for d, w in zip(ctx.kernel.spec.inputs, wanted))
 
 
 _AXES = ("b", "h", "q_idx", "kv_idx")  # the axes of a direct read's term buffer (B, H, Nq, Nk)
@@ -263,3 +286,21 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
             module = _import(path)
             _modules[key] = module
     return Kernel(spec_obj, kernel_plan, source, Path(module.__file__), module)
+
+
+def dropout_mask(seed: int, dropout_p: float, batch: int, heads: int, q_len: int, kv_len: int, device="cpu") -> torch.Tensor:
+    """The exact keep mask (bool, batch x heads x q_len x kv_len; heads = query heads) that every attngen kernel
+    with dropout uses for this seed and probability: Philox of (seed, b, h, q_idx, kv_idx), the same for every
+    spec, tiling and loop order. Kept probabilities are scaled by 1 / (1 - dropout_p)."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise InputError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
+    device = torch.device(device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InputError("CPU tensors run through Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or use CUDA")
+    key, source = build_dropout_source()
+    with _lock:
+        module = _modules.get(key)
+        if module is None:
+            module = _import(cache.store("dropout", key, source))
+            _modules[key] = module
+    return module.dropout_mask(seed, float(dropout_p), batch, heads, q_len, kv_len, device)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .expr import SCORE_VARS, Scope
-from .naive import evaluate, reference
+from .naive import evaluate, probabilities, reference
 
 # (batch, query heads, key/value heads, q_len, kv_len): a single token, an odd length, GQA with
 # q_len != kv_len, MQA with short queries and long keys, and tile-aligned lengths.
@@ -95,16 +95,18 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
         inputs[name].requires_grad_()
     leaves = [t.requires_grad_(backward) for t in (q, k, v)] + [inputs[name] for name in grad_inputs]
 
-    out, lse = kernel(*leaves[:3], return_lse=True, **inputs)
+    # dropout (the spec's probability): kernel and references use the same seed, so the same exact pattern
+    drop = {"dropout_p": spec.dropout, "seed": 1000 + seed} if spec.dropout > 0.0 else {}
+    out, lse = kernel(*leaves[:3], return_lse=True, **drop, **inputs)
     # float64 reference on the same device (exact enough to be the truth), and the same-precision naive attention
     wide = [t.detach().double().requires_grad_(backward) for t in leaves[:3]]
     wide_inputs = {**inputs, **{name: inputs[name].detach().double().requires_grad_() for name in grad_inputs}}
     wide += [wide_inputs[name] for name in grad_inputs]
-    ref, ref_lse = reference(spec, *wide[:3], return_lse=True, dtype=torch.float64, **wide_inputs)
+    ref, ref_lse = reference(spec, *wide[:3], return_lse=True, dtype=torch.float64, **drop, **wide_inputs)
     ref_lse = ref_lse.detach().cpu()
     naive_leaves = [t.detach().clone().requires_grad_(backward) for t in leaves]
     naive_inputs = {**inputs, **dict(zip(grad_inputs, naive_leaves[3:]))}
-    naive = reference(spec, *naive_leaves[:3], dtype=dtype, **naive_inputs)
+    naive = reference(spec, *naive_leaves[:3], dtype=dtype, **drop, **naive_inputs)
 
     res = Result(shape, spec.dtype.value)
     res.nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
@@ -120,10 +122,12 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
         naive_grads = torch.autograd.grad(naive, naive_leaves, do)
         terms = _gradient_terms(spec.softmax_scale, *(t.detach() for t in wide[:3]), do.double(), Hq // Hkv, lse_peak)
         read_terms = _read_terms(kernel, *(t.detach() for t in wide[:3]), do.double(), wide_inputs)
+        via_delta = _error_through_delta(kernel, *(t.detach() for t in wide[:3]), do.double(), out.detach().double() - ref.detach(), wide_inputs)
         names = ["dq", "dk", "dv"] + [f"d{name}" for name in grad_inputs]
         for name, g, rg, ng in zip(names, grads, ref_grads, naive_grads):
             res.nan |= bool(torch.isnan(g).any())
-            res.errors[name] = _bound(g.cpu(), ng.cpu(), rg, 3, terms if name in ("dq", "dk", "dv") else read_terms[name[1:]])
+            err, naive_err, bound = _bound(g.cpu(), ng.cpu(), rg, 3, terms if name in ("dq", "dk", "dv") else read_terms[name[1:]])
+            res.errors[name] = (err, naive_err, bound + via_delta.get(name, 0.0))
     return res
 
 
@@ -136,6 +140,26 @@ def _gradient_terms(scale: float, q, k, v, do, group: int, lse_peak: float) -> f
     dp = (do @ v.transpose(-1, -2)).max().item()
     score = scale * (q @ k.transpose(-1, -2)).max().item()
     return max(scale * dp * max(q.max().item(), k.max().item()), (score + lse_peak) * do.max().item())
+
+
+def _error_through_delta(kernel, q, k, v, do, out_err, inputs: dict) -> dict[str, float]:
+    """What the forward's own error (already checked) adds to dQ and dK: the backward reads O back to form
+    delta = rowsum(dO * O), as FlashAttention does, so delta is off by at most e_i = sum_d |dO_id| |O_id - O*_id|,
+    and dS = P (dP - delta) by P e. That gives |dQ_id| <= scale * e_i * (P |K|)_id and |dK_jd| <=
+    scale * (P^T (e |Q|))_jd (summed over the query heads of a key/value head). The naive reference has no such
+    term (its autograd never reads O back): with dropout and a single key, where the naive error is 0, this is
+    the whole difference. Without a score modification; float64."""
+    if q.numel() == 0 or k.numel() == 0:
+        return {}
+    p = probabilities(kernel.spec, q, k, dtype=torch.float64, **{n: t.detach() for n, t in inputs.items()}).detach()
+    group = q.shape[1] // k.shape[1]
+    e = (do.abs() * out_err.abs().to(do)).sum(-1)  # (B, Hq, Nq)
+    scale = kernel.spec.softmax_scale
+    kf = k.abs().repeat_interleave(group, dim=1)
+    dq = scale * (e[..., None] * (p @ kf)).max().item()
+    dk = scale * (p.transpose(-1, -2) @ (e[..., None] * q.abs()))  # (B, Hq, Nk, D)
+    dk = dk.view(k.shape[0], k.shape[1], group, *dk.shape[2:]).sum(2).max().item()
+    return {"dq": dq, "dk": dk}
 
 
 def _read_terms(kernel, q, k, v, do, inputs: dict) -> dict[str, float]:

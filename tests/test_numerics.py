@@ -43,6 +43,10 @@ VARIANTS = {
     "bias_grad": "attention v { head_dim = 32 input bias: fp32[H, N, N] mask = q_idx >= kv_idx and q_idx - kv_idx < 40 score = score + bias[h, q_idx, kv_idx] block_m = 16 block_n = 16 }",
     "key_bias_softcap_grad": "attention v { head_dim = 32 input kb: fp32[B, N] score = 10.0 * tanh((score + kb[b, kv_idx]) / 10.0) }",
     "head_temperature_grad": "attention v { head_dim = 32 input temp: fp32[H] input tab: fp32[3, N] mask = q_idx >= kv_idx score = score * temp[h] + tab[1, kv_idx] - tab[2, 5] }",
+    # dropout: the kernels' pattern (Philox of seed, b, h, q_idx, kv_idx) against the reference using attngen.dropout_mask
+    "dropout_causal_tiles_16": "attention v { head_dim = 32 dropout = 0.25 mask = q_idx >= kv_idx block_m = 16 block_n = 16 }",
+    "dropout_kv_outer_padding": "attention v { head_dim = 32 dropout = 0.1 loop_order = kv_outer input lens: int32[B] mask = kv_idx < lens[b] }",
+    "dropout_document_bias_grad": "attention v { head_dim = 32 dropout = 0.2 input doc: int32[B, N] input slopes: fp32[H] mask = doc[b, q_idx] == doc[b, kv_idx] score = score - slopes[h] * abs(q_idx - kv_idx) block_m = 16 block_n = 16 }",
     "softcap_bottom_right_tiles_16": "attention v { head_dim = 32 mask = q_idx + kv_len - q_len >= kv_idx score = 10.0 * tanh(score / 10.0) block_m = 16 block_n = 32 }",
 }
 
@@ -204,3 +208,47 @@ def test_classification_off_is_a_correct_baseline(device, target):
     assert "_tile_class" not in kern.source and "classification is turned off" in kern.source
     assert kern.source != attngen.compile(spec, target).source
     _check(kern, device, shapes=((2, 2, 1, 70, 90),))
+
+
+# ---- dropout: one pattern for every tiling, loop order and pass ---------------------------------------------
+def test_dropout_pattern_is_a_pure_function_of_the_indices(device):
+    """attngen.dropout_mask: a sub-block of a larger mask is the smaller mask (tiling-independent), the same seed
+    repeats, another seed differs, and the kept fraction is 1 - p within 0.01 over >= 20k pairs."""
+    small = attngen.dropout_mask(5, 0.3, 2, 3, 40, 90, device)
+    large = attngen.dropout_mask(5, 0.3, 2, 3, 71, 130, device)
+    assert torch.equal(large[:, :, :40, :90], small)
+    assert torch.equal(attngen.dropout_mask(5, 0.3, 2, 3, 40, 90, device), small)
+    assert not torch.equal(attngen.dropout_mask(6, 0.3, 2, 3, 40, 90, device), small)
+    many = attngen.dropout_mask(9, 0.1, 1, 2, 128, 128, device)  # 32768 pairs
+    assert abs(many.float().mean().item() - 0.9) < 0.01
+    assert torch.equal(attngen.dropout_mask(9, 0.0, 1, 2, 16, 16, device), torch.ones(1, 2, 16, 16, dtype=torch.bool, device=device))
+
+
+def test_dropout_is_the_same_for_every_tiling_and_loop_order(device, target):
+    """Three kernels of one spec (16- and 32-wide tiles, and Algorithm 1's loop order) with one seed give the
+    same output up to rounding, and each matches the reference using the exact pattern."""
+    texts = ["block_m = 16 block_n = 16", "block_m = 32 block_n = 64", "loop_order = kv_outer"]
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (_rand(2, 4, 50, 32, device=device, dtype=torch.float32, gen=gen) for _ in range(3))
+    outs = []
+    for extra in texts:
+        kern = _compile(load_spec(f"attention t {{ head_dim = 32 dropout = 0.3 mask = q_idx >= kv_idx {extra} }}"), "fp32", target)
+        outs.append(kern(q, k, v, seed=123))
+        _check(kern, device, shapes=((1, 2, 1, 45, 61),))
+    ref = attngen.reference(kern.spec, q.double(), k.double(), v.double(), dropout_p=0.3, seed=123)
+    for out in outs:
+        assert (out.double() - ref).abs().max().item() < 1e-5
+    plain = _compile(load_spec("attention t { head_dim = 32 mask = q_idx >= kv_idx block_m = 16 block_n = 16 }"), "fp32", target)
+    evaluation = _compile(load_spec(f"attention t {{ head_dim = 32 dropout = 0.3 mask = q_idx >= kv_idx {texts[0]} }}"), "fp32", target)
+    assert torch.allclose(evaluation(q, k, v, dropout_p=0.0), plain(q, k, v), rtol=0, atol=1e-6)  # dropout_p=0: no dropout
+
+
+def test_dropout_seed_defaults_to_torch_generator(device, target):
+    kern = _compile(load_spec("attention t { head_dim = 32 dropout = 0.5 }"), "fp32", target)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (_rand(1, 2, 20, 32, device=device, dtype=torch.float32, gen=gen) for _ in range(3))
+    torch.manual_seed(0)
+    first = kern(q, k, v)
+    torch.manual_seed(0)
+    assert torch.equal(kern(q, k, v), first)
+    assert not torch.equal(kern(q, k, v), first)  # the generator moved on: another pattern
