@@ -366,6 +366,7 @@ class _TileLowerer:
         self.helpers: set[str] = set()
         self.params: list[str] = []
         self.bounds: list[InputBounds] = []
+        self._chunks: dict[InputBounds, str] = {}
         self.n = 0
 
     def _new(self, code: str) -> str:
@@ -413,7 +414,9 @@ class _TileLowerer:
         for s in size:
             self._param(s)
         # the summary is [2, *shape] with the axis in chunks of TILE_CHUNK; read the chunks the tile covers
-        chunks = self._new(f"tl.cdiv({size[axis]}, TILE_CHUNK)")
+        if summary not in self._chunks:  # the same input read on both axes shares its chunk count
+            self._chunks[summary] = self._new(f"tl.cdiv({size[axis]}, TILE_CHUNK)")
+        chunks = self._chunks[summary]
         c0 = self._new(f"{lo} // TILE_CHUNK")
         c1 = self._new(f"{hi} // TILE_CHUNK")
         c = self._new(f"{c0}[:, None] + tl.arange(0, TILE_SPAN)[None, :]")

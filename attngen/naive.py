@@ -126,6 +126,22 @@ def probabilities(spec, q: torch.Tensor, k: torch.Tensor, *, dtype: torch.dtype 
     return _softmax(getattr(spec, "spec", spec), q, k, dtype or (torch.float64 if q.device.type == "cpu" else torch.float32), inputs)[0]
 
 
+def score_env(score: torch.Tensor) -> dict:
+    """The variables of a score expression for scores of shape (B, H, Nq, Nk): b, h, q_idx, kv_idx as
+    broadcasting index tensors, the lengths, and `score`."""
+    B, H, Nq, Nk = score.shape
+    dev = score.device
+    return {
+        "b": torch.arange(B, device=dev).view(B, 1, 1, 1),
+        "h": torch.arange(H, device=dev).view(1, H, 1, 1),
+        "q_idx": torch.arange(Nq, device=dev).view(1, 1, Nq, 1),
+        "kv_idx": torch.arange(Nk, device=dev).view(1, 1, 1, Nk),
+        "q_len": Nq,
+        "kv_len": Nk,
+        "score": score,
+    }
+
+
 def _softmax(spec, q, k, dtype, inputs):
     """(P, row log-sum-exp) of the spec's scores and mask, in `dtype`."""
     B, Hq, Nq, D = q.shape
@@ -137,15 +153,7 @@ def _softmax(spec, q, k, dtype, inputs):
     dev = q.device
     qk = torch.matmul(qf, kf.transpose(-1, -2))
     score = qk * spec.softmax_scale
-    env = {
-        "b": torch.arange(B, device=dev).view(B, 1, 1, 1),
-        "h": torch.arange(Hq, device=dev).view(1, Hq, 1, 1),
-        "q_idx": torch.arange(Nq, device=dev).view(1, 1, Nq, 1),
-        "kv_idx": torch.arange(Nk, device=dev).view(1, 1, 1, Nk),
-        "q_len": Nq,
-        "kv_len": Nk,
-        "score": score,
-    }
+    env = score_env(score)
     scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
     if spec.score is not None:
         score = torch.as_tensor(evaluate(spec.score, env, inputs, scope, dtype), device=dev).to(dtype)

@@ -92,10 +92,7 @@ class Kernel:
         Hkv, Nk = k.shape[1], k.shape[2]
         if Hkv == 0 or Hq % Hkv:
             raise InputError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-        if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise InputError("CPU tensors run through Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or use CUDA tensors")
-        if q.device.type not in ("cpu", "cuda"):
-            raise InputError(f"unsupported device {q.device}")
+        _check_device(q.device)
         dims = _Dims(B, Hq, Hkv, Nq, Nk)
 
         declared = [d.name for d in spec.inputs]
@@ -175,6 +172,13 @@ class Kernel:
         return {"dropout_p": float(p), "seed": seed}
 
 
+def _check_device(device: torch.device) -> None:
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InputError("CPU tensors run through Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or use CUDA tensors")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"unsupported device {device}")
+
+
 def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
     """(input, axis, variable) for every input dimension the spec indexes with a bare b, h, q_idx or kv_idx."""
     found = []
@@ -236,15 +240,15 @@ def _reduce_input_grads(spec: Spec, dims: _Dims, inputs: dict[str, torch.Tensor]
     grads = {name: torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.device.type == "cpu" else torch.float32)
              for name, t in inputs.items() if t.is_floating_point()}
     scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
+    # the indices of a uniform read, per (b, h), evaluated on CPU (indices are integers: only integer inputs)
+    env = {"b": torch.arange(dims.batch).view(-1, 1), "h": torch.arange(dims.heads).view(1, -1), "q_len": dims.q_len, "kv_len": dims.kv_len}
+    index_inputs = {name: t.detach().cpu() for name, t in inputs.items() if not t.is_floating_point()}
     for g, term in zip(reads, terms):
         x = inputs[g.read.input]
         grad = grads[g.read.input]
         if g.kind == "uniform":  # one element per (b, h): sum the rows, then add at the element's flat offset
             per_bh = term.sum(2).cpu().double()
-            env = {"b": torch.arange(dims.batch).view(-1, 1), "h": torch.arange(dims.heads).view(1, -1),
-                   "q_len": dims.q_len, "kv_len": dims.kv_len}
-            cpu_inputs = {name: t.detach().cpu() for name, t in inputs.items()}
-            index = [torch.as_tensor(evaluate(i, env, cpu_inputs, scope, torch.float64)).long().broadcast_to(per_bh.shape) for i in g.read.indices]
+            index = [torch.as_tensor(evaluate(i, env, index_inputs, scope, torch.float64)).long().broadcast_to(per_bh.shape) for i in g.read.indices]
             valid = torch.ones(per_bh.shape, dtype=torch.bool)
             flat = torch.zeros(per_bh.shape, dtype=torch.long)
             for i, size in zip(index, x.shape):
@@ -279,13 +283,18 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
     spec_obj = read_spec(spec)
     kernel_plan = make_plan(spec_obj, target, classify=classify)
     key, source = build_source(kernel_plan)
+    module = _load(spec_obj.name, key, source, Path(cache_dir) if cache_dir else None)
+    return Kernel(spec_obj, kernel_plan, source, Path(module.__file__), module)
+
+
+def _load(name: str, key: str, source: str, cache_dir: Path | None = None) -> ModuleType:
+    """The generated module of `key`: imported once per process, from the disk cache."""
     with _lock:
         module = _modules.get(key)
         if module is None:
-            path = cache.store(spec_obj.name, key, source, Path(cache_dir) if cache_dir else None)
-            module = _import(path)
+            module = _import(cache.store(name, key, source, cache_dir))
             _modules[key] = module
-    return Kernel(spec_obj, kernel_plan, source, Path(module.__file__), module)
+    return module
 
 
 def dropout_mask(seed: int, dropout_p: float, batch: int, heads: int, q_len: int, kv_len: int, device="cpu") -> torch.Tensor:
@@ -295,12 +304,5 @@ def dropout_mask(seed: int, dropout_p: float, batch: int, heads: int, q_len: int
     if not 0.0 <= dropout_p < 1.0:
         raise InputError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
     device = torch.device(device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise InputError("CPU tensors run through Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or use CUDA")
-    key, source = build_dropout_source()
-    with _lock:
-        module = _modules.get(key)
-        if module is None:
-            module = _import(cache.store("dropout", key, source))
-            _modules[key] = module
-    return module.dropout_mask(seed, float(dropout_p), batch, heads, q_len, kv_len, device)
+    _check_device(device)
+    return _load("dropout", *build_dropout_source()).dropout_mask(seed, float(dropout_p), batch, heads, q_len, kv_len, device)

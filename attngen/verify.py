@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .expr import SCORE_VARS, Scope
-from .naive import evaluate, probabilities, reference
+from .naive import evaluate, probabilities, reference, score_env
 
 # (batch, query heads, key/value heads, q_len, kv_len): a single token, an odd length, GQA with
 # q_len != kv_len, MQA with short queries and long keys, and tile-aligned lengths.
@@ -172,12 +172,7 @@ def _read_terms(kernel, q, k, v, do, inputs: dict) -> dict[str, float]:
         return {g.read.input: 0.0 for g in kernel.plan.read_grads}
     kf, vf = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     dp = (do.abs() @ vf.abs().transpose(-1, -2)).max().item()
-    B, H, Nq, _ = q.shape
-    Nk = k.shape[2]
-    dev = q.device
-    env = {"b": torch.arange(B, device=dev).view(B, 1, 1, 1), "h": torch.arange(H, device=dev).view(1, H, 1, 1),
-           "q_idx": torch.arange(Nq, device=dev).view(1, 1, Nq, 1), "kv_idx": torch.arange(Nk, device=dev).view(1, 1, 1, Nk),
-           "q_len": Nq, "kv_len": Nk, "score": (q @ kf.transpose(-1, -2)) * spec.softmax_scale}
+    env = score_env((q @ kf.transpose(-1, -2)) * spec.softmax_scale)
     scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
     detached = {name: t.detach() for name, t in inputs.items()}
     for g in kernel.plan.read_grads:

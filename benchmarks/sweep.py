@@ -20,10 +20,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from attngen import cache  # noqa: E402
 from attngen.check import load_spec  # noqa: E402
 from attngen.render import build_source  # noqa: E402
-from attngen.runtime import _import  # noqa: E402
+from attngen.runtime import _load  # noqa: E402
 from attngen.spec import DType  # noqa: E402
 from harness import median_ms, versions  # noqa: E402
 
@@ -37,8 +36,7 @@ DQ = [dict(dq_block_m=bm, dq_block_n=bn, dq_num_warps=w, dq_num_stages=s)
 
 
 def load(plan):
-    key, source = build_source(plan)
-    return _import(cache.store(plan.spec.name, key, source))
+    return _load(plan.spec.name, *build_source(plan))
 
 
 def main():

@@ -14,10 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from attngen import cache  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
 from attngen.render import build_source  # noqa: E402
-from attngen.runtime import Kernel, _import  # noqa: E402
+from attngen.runtime import Kernel, _load  # noqa: E402
 from harness import time_fwd_bwd, versions  # noqa: E402
 from masks import random_documents, spec_of  # noqa: E402
 
@@ -30,8 +29,8 @@ def kernel_with_width(spec, width: int) -> Kernel:
     default = "TILES_PER_STEP = tl.constexpr(256)"
     assert default in source
     source = source.replace(default, f"TILES_PER_STEP = tl.constexpr({width})")
-    path = cache.store(spec.name, f"{key}_w{width}", source)
-    return Kernel(spec, p, source, path, _import(path))
+    module = _load(spec.name, f"{key}_w{width}", source)
+    return Kernel(spec, p, source, Path(module.__file__), module)
 
 
 def main():

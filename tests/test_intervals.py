@@ -129,6 +129,15 @@ def _expected_ranges(classes, length, block):
     return out
 
 
+def _with_probe(tmp_path, name: str, source: str):
+    """The generated module `source` plus a probe kernel that calls its own _tile_range, imported."""
+    from attngen.runtime import _import
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    return _import(path)
+
+
 @pytest.mark.skipif("not __import__('os').environ.get('TRITON_INTERPRET')", reason="runs generated code in Triton's interpreter")
 @pytest.mark.parametrize("text", [
     "q_idx >= kv_idx",
@@ -138,18 +147,10 @@ def _expected_ranges(classes, length, block):
     "abs(q_idx - kv_idx) <= 20 or kv_idx < 16",
 ])
 def test_kernel_tile_ranges_match_the_classifier(text, tmp_path):
-    import importlib.util
-    import sys
-
     import attngen
 
     kern = attngen.compile(f"attention t {{ head_dim = 16 dtype = fp32 mask = {text} block_m = 16 block_n = 16 }}", "h100")
-    path = tmp_path / f"probe_{abs(hash(text))}.py"
-    path.write_text(kern.source + PROBE)  # the probe kernel calls the module's own _tile_range
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
+    module = _with_probe(tmp_path, f"probe_{abs(hash(text))}", kern.source + PROBE)
     for q_len, kv_len in ((100, 100), (64, 150), (150, 70)):
         n_rows = -(-q_len // 16)
         out = torch.zeros(n_rows * 4, dtype=torch.int32)
@@ -224,21 +225,13 @@ def _random_input(decl, batch, n, gen, aligned):
 def test_kernel_tile_ranges_with_inputs_are_sound(name, tmp_path):
     """Every tile the kernels skip keeps no pair, every tile they run unmasked keeps all, for random inputs (and
     inputs shorter than the sequence, which read 0); with tile-aligned inputs the ranges are exact."""
-    import importlib.util
-    import sys
-
     import attngen
     from attngen.render import context
 
     decl_text, mask_text = INPUT_MASKS[name]
     kern = attngen.compile(f"attention t {{ head_dim = 16 dtype = fp32 {decl_text} mask = {mask_text} block_m = 16 block_n = 16 }}", "h100")
     params = context(kern.plan)["tile_class"].params
-    path = tmp_path / f"probe_inputs_{name}.py"
-    path.write_text(kern.source + _input_probe(params))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
+    module = _with_probe(tmp_path, f"probe_inputs_{name}", kern.source + _input_probe(params))
     decl = kern.spec.inputs[0]
     scope = ex.Scope("mask", ex.MASK_VARS, kern.spec.inputs_by_name)
     gen = torch.Generator().manual_seed(0)
