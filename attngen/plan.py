@@ -39,8 +39,10 @@ class ReadGrad:
     kind "uniform": no index involves q_idx or kv_idx (slopes[h]): each dQ program sums its rows in registers.
     kind "direct": every index is a bare b, h, q_idx or kv_idx (each at most once) or an integer constant
     (bias[h, q_idx, kv_idx]): the dQ kernel writes each pair's term to a (B, H, Nq, Nk) float32 buffer.
-    kind "unsupported": other index expressions (rel[h, q_idx - kv_idx + 64]): no gradient (refused at call time).
-    Both supported kinds are reduced in a fixed order: the gradients are deterministic."""
+    kind "scatter": other index expressions with q_idx or kv_idx (rel[h, q_idx - kv_idx + 64]): the dQ kernel
+    writes each pair's term to the same buffer; the host evaluates the indices over every pair and sums the terms
+    of each element (a stable sort by element, then sums in that order).
+    Every kind is reduced in a fixed order: the gradients are deterministic."""
 
     read: Index
     derivative: Expr
@@ -71,7 +73,7 @@ def read_grads(spec: Spec) -> tuple[ReadGrad, ...]:
                  for i in read.indices) and len(names) == len(set(names)):
             kind = "direct"
         else:
-            kind = "unsupported"
+            kind = "scatter"
         out.append(ReadGrad(read, derivative, kind))
     return tuple(out)
 

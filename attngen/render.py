@@ -107,7 +107,7 @@ def _lower_for_kernel(plan: KernelPlan, inner_vars: frozenset[str], want_dscore:
     scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
     names = {v: v for v in ex.SCORE_VARS}
     lowerer = ex.Lowerer(scope, names, inner_vars)
-    grads = [g for g in plan.read_grads if g.kind != "unsupported"] if want_read_grads else []
+    grads = list(plan.read_grads) if want_read_grads else []
     exprs = [e for e in (plan.mask, plan.score, plan.dscore if want_dscore else None) if e is not None]
     lowered = lowerer.lower_all(exprs + [g.derivative for g in grads])
     helpers |= lowerer.helpers

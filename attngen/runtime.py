@@ -14,7 +14,7 @@ import torch
 from . import cache
 from .check import read_spec
 from .errors import InputError
-from .expr import SCORE_VARS, Scope, children, format_expr
+from .expr import SCORE_VARS, Scope, children
 from .naive import evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
@@ -113,13 +113,6 @@ class Kernel:
                 raise InputError(f"input {decl.name!r} has {t.dim()} dimension(s), declared {len(decl.dims)}: [{', '.join(map(str, decl.dims))}]")
             if t.device != q.device:
                 raise InputError(f"input {decl.name!r} is on {t.device}, q on {q.device}")
-            if t.requires_grad and torch.is_grad_enabled():
-                for g in self.plan.read_grads:
-                    if g.read.input == decl.name and g.kind == "unsupported":
-                        raise InputError(
-                            f"input {decl.name!r} requires grad, but the score reads it as {format_expr(g.read)}: gradients "
-                            f"are computed for reads indexed by bare b, h, q_idx, kv_idx or constants, or by expressions "
-                            f"without q_idx and kv_idx (pass {decl.name}.detach() to treat it as a constant)")
             for axis, (dim, size) in enumerate(zip(decl.dims, t.shape)):
                 if isinstance(dim, int):
                     if size != dim:
@@ -220,13 +213,13 @@ class _AttentionFunction(torch.autograd.Function):
         if not any(wanted):
             dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.dropout)
             return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
-        supported = [g for g in ctx.kernel.plan.read_grads if g.kind != "unsupported"]
+        reads = ctx.kernel.plan.read_grads
         terms = []
-        if supported:
+        if reads:
             dq, dk, dv, terms = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, input_grads=True, **ctx.dropout)
         else:
             dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.dropout)
-        grads = _reduce_input_grads(ctx.kernel.spec, dims, dict(zip((d.name for d in ctx.kernel.spec.inputs), inputs)), supported, terms)
+        grads = _reduce_input_grads(ctx.kernel.spec, dims, dict(zip((d.name for d in ctx.kernel.spec.inputs), inputs)), reads, terms)
         return (None, None, None, dq, dk, dv) + tuple(grads.get(d.name) if w else None for d, w in zip(ctx.kernel.spec.inputs, wanted))
 
 
@@ -240,39 +233,58 @@ def _reduce_input_grads(spec: Spec, dims: _Dims, inputs: dict[str, torch.Tensor]
     grads = {name: torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.device.type == "cpu" else torch.float32)
              for name, t in inputs.items() if t.is_floating_point()}
     scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
-    # the indices of a uniform read, per (b, h), evaluated on CPU (indices are integers: only integer inputs)
-    env = {"b": torch.arange(dims.batch).view(-1, 1), "h": torch.arange(dims.heads).view(1, -1), "q_len": dims.q_len, "kv_len": dims.kv_len}
-    index_inputs = {name: t.detach().cpu() for name, t in inputs.items() if not t.is_floating_point()}
+    index_inputs = {name: t.detach() for name, t in inputs.items() if not t.is_floating_point()}
     for g, term in zip(reads, terms):
         x = inputs[g.read.input]
         grad = grads[g.read.input]
-        if g.kind == "uniform":  # one element per (b, h): sum the rows, then add at the element's flat offset
-            per_bh = term.sum(2).cpu().double()
-            index = [torch.as_tensor(evaluate(i, env, index_inputs, scope, torch.float64)).long().broadcast_to(per_bh.shape) for i in g.read.indices]
-            valid = torch.ones(per_bh.shape, dtype=torch.bool)
-            flat = torch.zeros(per_bh.shape, dtype=torch.long)
-            for i, size in zip(index, x.shape):
-                valid &= (i >= 0) & (i < size)  # reads outside the input gave 0: no gradient
-                flat = flat * size + i.clamp(0, size - 1)
-            summed = torch.zeros(x.numel(), dtype=torch.float64).index_add_(0, flat[valid], per_bh[valid])  # CPU: in order
-            grad += summed.view(x.shape).to(grad)
-        else:  # direct: sum the term over the axes the read does not use, then place it
-            used = [i.name for i in g.read.indices if isinstance(i, Var)]
-            t = term.sum(dim=[a for a, name in enumerate(_AXES) if name not in used]) if len(used) < 4 else term
-            t = t.permute([sorted(used, key=_AXES.index).index(name) for name in used])
-            target, source = [], [slice(None)] * len(used)
-            for axis, (i, size) in enumerate(zip(g.read.indices, x.shape)):
-                if isinstance(i, Var):
-                    n = min(size, t.shape[used.index(i.name)])
-                    target.append(slice(0, n))
-                    source[used.index(i.name)] = slice(0, n)
-                elif 0 <= i.value < size:
-                    target.append(i.value)
-                else:
-                    break  # a constant index outside the input: read as 0, no gradient
-            else:
-                grad[tuple(target)] += t[tuple(source)].to(grad)
+        if g.kind == "direct":  # sum the term over the axes the read does not use, then place it
+            _add_direct(g.read, term, grad)
+            continue
+        if g.kind == "uniform":  # one element per (b, h): the rows' sums
+            term = term.sum(2)
+        # uniform and scatter: evaluate the read's indices at every (b, h[, q_idx, kv_idx]) of the term
+        env = {name: torch.arange(n, device=term.device).view([n if a == axis else 1 for a in range(term.dim())])
+               for axis, (name, n) in enumerate(zip(_AXES, term.shape))}
+        env |= {"q_len": dims.q_len, "kv_len": dims.kv_len}
+        valid = torch.ones(term.shape, dtype=torch.bool, device=term.device)
+        flat = torch.zeros(term.shape, dtype=torch.long, device=term.device)
+        for i, size in zip(g.read.indices, x.shape):
+            i = torch.as_tensor(evaluate(i, env, index_inputs, scope, torch.float64), device=term.device).long().broadcast_to(term.shape)
+            valid &= (i >= 0) & (i < size)  # reads outside the input gave 0: no gradient
+            flat = flat * size + i.clamp(0, size - 1)
+        grad += _sum_by_element(flat[valid], term[valid], x.numel()).view(x.shape).to(grad)
     return {name: g.to(inputs[name].dtype) for name, g in grads.items()}
+
+
+def _add_direct(read: Index, term: torch.Tensor, grad: torch.Tensor) -> None:
+    """grad[read's indices] += the (B, H, Nq, Nk) term summed over the axes the read does not name."""
+    used = [i.name for i in read.indices if isinstance(i, Var)]
+    t = term.sum(dim=[a for a, name in enumerate(_AXES) if name not in used]) if len(used) < 4 else term
+    t = t.permute([sorted(used, key=_AXES.index).index(name) for name in used])
+    target, source = [], [slice(None)] * len(used)
+    for i, size in zip(read.indices, grad.shape):
+        if isinstance(i, Var):
+            n = min(size, t.shape[used.index(i.name)])
+            target.append(slice(0, n))
+            source[used.index(i.name)] = slice(0, n)
+        elif 0 <= i.value < size:
+            target.append(i.value)
+        else:
+            return  # a constant index outside the input: read as 0, no gradient
+    grad[tuple(target)] += t[tuple(source)].to(grad)
+
+
+def _sum_by_element(flat: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+    """out[j] = sum of values[flat == j] in float64, in an order fixed by the data (no atomics): on CPU
+    index_add_ runs in order; on a GPU, a stable sort by element, a running sum in that order, and
+    differences at the element boundaries."""
+    values = values.double()
+    if flat.device.type == "cpu":
+        return torch.zeros(n, dtype=torch.float64).index_add_(0, flat, values)
+    order = torch.argsort(flat, stable=True)
+    running = torch.cat([values.new_zeros(1), values[order].cumsum(0)])
+    at_end = running[torch.bincount(flat, minlength=n).cumsum(0)]
+    return at_end - torch.cat([at_end.new_zeros(1), at_end[:-1]])
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,

@@ -42,6 +42,9 @@ VARIANTS = {
     # direct reads, per-row sums for reads without q_idx/kv_idx
     "bias_grad": "attention v { head_dim = 32 input bias: fp32[H, N, N] mask = q_idx >= kv_idx and q_idx - kv_idx < 40 score = score + bias[h, q_idx, kv_idx] block_m = 16 block_n = 16 }",
     "key_bias_softcap_grad": "attention v { head_dim = 32 input kb: fp32[B, N] score = 10.0 * tanh((score + kb[b, kv_idx]) / 10.0) }",
+    # reads at computed indices: each pair's term summed into the element it read (one element gets many pairs)
+    "relative_table_grad_kv_outer": "attention v { head_dim = 32 loop_order = kv_outer input rel: fp32[H, N] mask = q_idx - kv_idx < 30 score = score + rel[h, q_idx - kv_idx + 20] * 0.5 }",
+    "bucketed_table_grad": "attention v { head_dim = 32 input rel: fp32[3, 9] input bucket: int32[N] score = score + rel[h % 3, bucket[abs(q_idx - kv_idx)] % 9] block_m = 16 block_n = 16 }",
     "head_temperature_grad": "attention v { head_dim = 32 input temp: fp32[H] input tab: fp32[3, N] mask = q_idx >= kv_idx score = score * temp[h] + tab[1, kv_idx] - tab[2, 5] }",
     # dropout: the kernels' pattern (Philox of seed, b, h, q_idx, kv_idx) against the reference using attngen.dropout_mask
     "dropout_causal_tiles_16": "attention v { head_dim = 32 dropout = 0.25 mask = q_idx >= kv_idx block_m = 16 block_n = 16 }",
@@ -151,16 +154,18 @@ def test_empty_sequences(device, target):
 def test_backward_is_deterministic(device, target):
     """No atomics: two backward passes give bit-identical gradients (GQA sums happen in registers, input
     gradients are reduced in a fixed order)."""
-    kern = _compile(load_spec("attention t { head_dim = 32 input slopes: fp32[H] input bias: fp32[H, N, N] "
-                              "mask = q_idx >= kv_idx score = score - slopes[h] * (q_idx - kv_idx) + bias[h, q_idx, kv_idx] }"), "fp16", target)
+    kern = _compile(load_spec("attention t { head_dim = 32 input slopes: fp32[H] input bias: fp32[H, N, N] input rel: fp32[H, 64] "
+                              "mask = q_idx >= kv_idx score = score - slopes[h] * (q_idx - kv_idx) + bias[h, q_idx, kv_idx] "
+                              "+ rel[h, min(q_idx - kv_idx, 63)] }"), "fp16", target)
     gen = torch.Generator().manual_seed(4)
     q = _rand(2, 8, 70, 32, device=device, dtype=torch.float16, gen=gen).requires_grad_()
     k, v = (_rand(2, 2, 70, 32, device=device, dtype=torch.float16, gen=gen).requires_grad_() for _ in range(2))
     slopes = _rand(8, device=device, dtype=torch.float32, gen=gen).requires_grad_()
     bias = _rand(8, 70, 70, device=device, dtype=torch.float32, gen=gen).requires_grad_()
-    leaves = (q, k, v, slopes, bias)
-    first = torch.autograd.grad(kern(q, k, v, slopes=slopes, bias=bias).sum(), leaves)
-    second = torch.autograd.grad(kern(q, k, v, slopes=slopes, bias=bias).sum(), leaves)
+    rel = _rand(8, 64, device=device, dtype=torch.float32, gen=gen).requires_grad_()
+    leaves = (q, k, v, slopes, bias, rel)
+    first = torch.autograd.grad(kern(q, k, v, slopes=slopes, bias=bias, rel=rel).sum(), leaves)
+    second = torch.autograd.grad(kern(q, k, v, slopes=slopes, bias=bias, rel=rel).sum(), leaves)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
