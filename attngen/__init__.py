@@ -18,6 +18,10 @@ def __getattr__(name):
         from . import runtime
 
         return getattr(runtime, name)
+    if name in ("block_mask_from", "block_mask_from_dense"):
+        from . import blocks
+
+        return getattr(blocks, name)
     if name == "reference":
         from .naive import reference
 
@@ -39,5 +43,7 @@ __all__ = [
     "Kernel",
     "reference",
     "dropout_mask",
+    "block_mask_from",
+    "block_mask_from_dense",
     "load_spec",
 ]

@@ -592,7 +592,13 @@ class Lowerer:
             return self.var_code[e.name], _PY_ATOM
         if isinstance(e, Index):
             access = InputAccess(self.scope.inputs[e.input])
-            load = access.load([(self._paren(self._lower(i), _PY_ATOM), nonnegative(i)) for i in e.indices])
+            indices = []
+            for i in e.indices:
+                code = self._lower(i)
+                if not isinstance(i, (Var, Const)):  # a computed index: named once, used in the offset and the bounds
+                    code = self._temp(i, f"{e.input}_index", code[0])
+                indices.append((self._paren(code, _PY_ATOM), nonnegative(i)))
+            load = access.load(indices)
             return self._temp(e, e.input, load)
         if isinstance(e, Unary):
             if e.op == "not":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import blocks
 from .expr import SCORE_VARS, Scope, typeof
 from .plan import effective_mask
 from .spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
@@ -161,6 +162,11 @@ def _softmax(spec, q, k, dtype, inputs):
     mask = effective_mask(spec)
     if mask is not None:
         keep = torch.as_tensor(evaluate(mask, env, inputs, scope, dtype), device=dev).expand(B, Hq, Nq, Nk)
+        score = score.masked_fill(~keep, float("-inf"))
+    if spec.sparsity == "runtime":  # only pairs inside kept blocks
+        if inputs.get("block_mask") is None:
+            raise ValueError(f"{spec.name} has sparsity = runtime: pass the kernel's block_mask= to the reference")
+        keep = blocks.expand(inputs["block_mask"].to(dev), spec.sparse_block, Nq, Nk).expand(B, Hq, Nq, Nk)
         score = score.masked_fill(~keep, float("-inf"))
     # softmax with rows that keep nothing giving 0 (and no NaN in value or gradient)
     row_max = score.amax(dim=-1, keepdim=True).detach()

@@ -129,8 +129,8 @@ class KernelPlan:
         """Whether a query row may have kept no key at some step (so the kernels need their 0/0 and -inf
         guards). Not when the mask provably keeps key 0 in every row (causal, prefix-LM: the forward visits a
         full tile or the tile of key 0 first) and no score modification can turn a score into -inf."""
-        if self.score is not None:
-            return True  # a score modification may produce -inf (e.g. a bias input holding -inf)
+        if self.score is not None or self.spec.sparsity == "runtime":
+            return True  # a score modification may produce -inf (e.g. a bias input holding -inf); a block mask may drop key 0
         return self.mask is not None and not keeps_first_key(self.mask)
 
     def describe(self) -> str:
@@ -186,7 +186,10 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     turns tile classification off (every tile visited and masked): a baseline for measurements."""
     tgt = resolve_target(spec, target)
     if spec.sparsity == "runtime":
-        raise PlanError(f"{spec.name}: sparsity = runtime (block masks passed at call time) is not implemented yet")
+        for key, value in (("block_m", spec.block_m), ("block_n", spec.block_n)):
+            if value is not None and value > spec.sparse_block:
+                raise PlanError(f"{spec.name}: {key} = {value} is larger than sparse_block = {spec.sparse_block}; with sparsity = runtime "
+                                f"every tile must lie inside one sparse block (tile sizes are powers of two <= sparse_block)")
     if spec.dtype is DType.BF16 and not tgt.supports_bf16:
         cc = ".".join(map(str, tgt.compute_capability))
         raise PlanError(f"{spec.name}: bf16 needs compute capability 8.0 or newer; {tgt.full_name} is {cc} (use dtype = fp16)")
@@ -287,6 +290,14 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     bwd_stage = 2 * kbm * dp * isz
     bwd_stages = max(1, min(MAX_STAGES, (smem - resident) // bwd_stage))
     steps.append(Step("backward num_stages", f"min({MAX_STAGES}, (smem - K,V{' - P,dS' if spec.dtype is DType.FP32 else ''} {resident}) // (Q+dO stage {bwd_stage}))", f"{bwd_stages}"))
+
+    if spec.sparsity == "runtime":
+        # the kernels walk lists of kept blocks; a tile must not straddle two blocks (powers of two: <= divides)
+        S = spec.sparse_block
+        fits = [min(t, S) for t in (bm, bn, kbm, kbn, qbm, qbn)]
+        if fits != [bm, bn, kbm, kbn, qbm, qbn]:
+            steps.append(Step("runtime block sparsity", f"every tile <= sparse_block = {S}", "tiles " + ", ".join(map(str, fits))))
+        bm, bn, kbm, kbn, qbm, qbn = fits
 
     mask = effective_mask(spec)
     score = spec.score

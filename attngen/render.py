@@ -147,6 +147,7 @@ def context(plan: KernelPlan) -> dict:
         "classify": plan.classify,
         "has_score": plan.score is not None,
         "has_dropout": plan.spec.dropout > 0.0,
+        "runtime_sparsity": spec.sparsity == "runtime",
         "guard_rows": plan.may_mask_rows,
         "pad_d": plan.head_dim_pad != plan.head_dim,
         # float32 specs ask for exact float32 products: Triton's default for fp32 dots is TF32 on the GPU.

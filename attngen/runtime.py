@@ -12,6 +12,7 @@ from types import ModuleType
 import torch
 
 from . import cache
+from .blocks import block_lists
 from .check import read_spec
 from .errors import InputError
 from .expr import SCORE_VARS, Scope, children
@@ -136,17 +137,31 @@ class Kernel:
                 raise InputError(f"input {name!r} is indexed by {var} on dimension {axis}, which has size {size}; {var} goes up to {n - 1} ({what} = {n})")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False,
-                 dropout_p: float | None = None, seed: int | None = None, **inputs: torch.Tensor):
+                 dropout_p: float | None = None, seed: int | None = None, block_mask: torch.Tensor | None = None,
+                 **inputs: torch.Tensor):
         """O (and the natural-log row log-sum-exp with return_lse). Dropout: `dropout_p` overrides the spec's
         `dropout` (0.0 at evaluation); `seed` (default: drawn from torch's CPU generator, so torch.manual_seed
-        makes runs repeatable) fixes the pattern, which attngen.dropout_mask gives exactly."""
+        makes runs repeatable) fixes the pattern, which attngen.dropout_mask gives exactly. `block_mask`:
+        the kept blocks of a `sparsity = runtime` spec (see attngen.block_mask_from)."""
         dims, tensors = self._check(q, k, v, inputs)
-        dropout = self._dropout(dropout_p, seed)
-        o, lse2 = _AttentionFunction.apply(self, dims, dropout, q, k, v, *tensors)
+        extra = self._dropout(dropout_p, seed) | self._blocks(block_mask, dims, q.device)
+        o, lse2 = _AttentionFunction.apply(self, dims, extra, q, k, v, *tensors)
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
 
+
+    def _blocks(self, block_mask, dims: _Dims, device: torch.device) -> dict:
+        """The block lists keyword of the generated launchers ({} for a spec without runtime sparsity)."""
+        spec = self.spec
+        if spec.sparsity != "runtime":
+            if block_mask is not None:
+                raise InputError(f"block_mask given, but the spec {spec.name!r} does not say `sparsity = runtime`")
+            return {}
+        if block_mask is None:
+            raise InputError(f"the spec {spec.name!r} has sparsity = runtime: pass block_mask= (bool, (B or 1, H or 1, "
+                             f"ceil(Nq / {spec.sparse_block}), ceil(Nk / {spec.sparse_block}))), e.g. from attngen.block_mask_from")
+        return {"blocks": block_lists(block_mask, spec.sparse_block, dims.batch, dims.heads, dims.q_len, dims.kv_len, device)}
 
     def _dropout(self, dropout_p: float | None, seed: int | None) -> dict:
         """The dropout keyword arguments of the generated launchers ({} for a spec without dropout)."""
@@ -188,15 +203,16 @@ def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, kernel: Kernel, dims: _Dims, dropout: dict, q, k, v, *inputs):
+    def forward(ctx, kernel: Kernel, dims: _Dims, extra: dict, q, k, v, *inputs):
+        # extra: the launchers' keyword arguments for dropout (dropout_p, seed) and runtime sparsity (blocks)
         ctx.set_materialize_grads(False)
         if dims.q_len == 0 or dims.kv_len == 0:  # nothing to attend to (or no query): O = 0, lse = -inf
             o = q.new_zeros(q.shape)
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         else:
-            o, lse = kernel.module.attention_forward(q, k, v, *inputs, **dropout)
+            o, lse = kernel.module.attention_forward(q, k, v, *inputs, **extra)
         ctx.kernel = kernel
-        ctx.dropout = dropout
+        ctx.extra = extra
         ctx.dims = dims
         ctx.save_for_backward(q, k, v, o, lse, *inputs)
         return o, lse
@@ -211,14 +227,14 @@ class _AttentionFunction(torch.autograd.Function):
             do = torch.zeros_like(o)
         wanted = ctx.needs_input_grad[6:]
         if not any(wanted):
-            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.dropout)
+            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.extra)
             return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
         reads = ctx.kernel.plan.read_grads
         terms = []
         if reads:
-            dq, dk, dv, terms = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, input_grads=True, **ctx.dropout)
+            dq, dk, dv, terms = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, input_grads=True, **ctx.extra)
         else:
-            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.dropout)
+            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.extra)
         grads = _reduce_input_grads(ctx.kernel.spec, dims, dict(zip((d.name for d in ctx.kernel.spec.inputs), inputs)), reads, terms)
         return (None, None, None, dq, dk, dv) + tuple(grads.get(d.name) if w else None for d, w in zip(ctx.kernel.spec.inputs, wanted))
 

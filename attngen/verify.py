@@ -65,6 +65,12 @@ def make_inputs(spec, batch: int, heads: int, q_len: int, kv_len: int, device, g
         else:
             t = torch.randn(shape, generator=generator).to(_TORCH[kind])
         out[decl.name] = t.to(device)
+    if spec.sparsity == "runtime":  # random kept blocks, shared by the batch, with one query block row empty
+        S = spec.sparse_block
+        bm = torch.rand(1, heads, -(-q_len // S), -(-kv_len // S), generator=generator) < 0.6
+        if bm.shape[2] > 1:
+            bm[:, 0, 1] = False
+        out["block_mask"] = bm.to(device)
     return out
 
 
@@ -148,7 +154,7 @@ def _error_through_delta(kernel, q, k, v, do, out_err, inputs: dict) -> dict[str
     and dS = P (dP - delta) by P e. That gives |dQ_id| <= scale * e_i * (P |K|)_id and |dK_jd| <=
     scale * (P^T (e |Q|))_jd (summed over the query heads of a key/value head). The naive reference has no such
     term (its autograd never reads O back): with dropout and a single key, where the naive error is 0, this is
-    the whole difference. Without a score modification; float64."""
+    the whole difference. The dq and dk terms leave out the score modification's derivative; float64."""
     if q.numel() == 0 or k.numel() == 0:
         return {}
     p = probabilities(kernel.spec, q, k, dtype=torch.float64, **{n: t.detach() for n, t in inputs.items()}).detach()
@@ -159,7 +165,21 @@ def _error_through_delta(kernel, q, k, v, do, out_err, inputs: dict) -> dict[str
     dq = scale * (e[..., None] * (p @ kf)).max().item()
     dk = scale * (p.transpose(-1, -2) @ (e[..., None] * q.abs()))  # (B, Hq, Nk, D)
     dk = dk.view(k.shape[0], k.shape[1], group, *dk.shape[2:]).sum(2).max().item()
-    return {"dq": dq, "dk": dk}
+    out = {"dq": dq, "dk": dk}
+    # a float input's gradient sums P (dP - delta) |d score / d read| over the pairs that read each element: the
+    # reference's own gather (evaluate on a zero copy of the input) sums P e |d| into the elements the same way
+    env = score_env((q @ kf.transpose(-1, -2)) * scale)
+    scope = Scope("score", SCORE_VARS, kernel.spec.inputs_by_name)
+    detached = {n: t.detach() for n, t in inputs.items()}
+    for g in kernel.plan.read_grads:
+        d = torch.as_tensor(evaluate(g.derivative, env, detached, scope, torch.float64)).abs()
+        probe = torch.zeros_like(detached[g.read.input], dtype=torch.float64, requires_grad=True)
+        gathered = evaluate(g.read, env, {**detached, g.read.input: probe}, scope, torch.float64)
+        weight = torch.nan_to_num(p * e[..., None] * d, posinf=0.0)
+        (bound,) = torch.autograd.grad((weight * gathered).sum(), probe)
+        name = f"d{g.read.input}"
+        out[name] = out.get(name, 0.0) + bound.max().item()
+    return out
 
 
 def _read_terms(kernel, q, k, v, do, inputs: dict) -> dict[str, float]:

@@ -50,6 +50,11 @@ VARIANTS = {
     "dropout_causal_tiles_16": "attention v { head_dim = 32 dropout = 0.25 mask = q_idx >= kv_idx block_m = 16 block_n = 16 }",
     "dropout_kv_outer_padding": "attention v { head_dim = 32 dropout = 0.1 loop_order = kv_outer input lens: int32[B] mask = kv_idx < lens[b] }",
     "dropout_document_bias_grad": "attention v { head_dim = 32 dropout = 0.2 input doc: int32[B, N] input slopes: fp32[H] mask = doc[b, q_idx] == doc[b, kv_idx] score = score - slopes[h] * abs(q_idx - kv_idx) block_m = 16 block_n = 16 }",
+    # runtime block sparsity: kernels walk per-row lists of kept blocks (random blocks, one empty block row)
+    "runtime_blocks_16": "attention v { head_dim = 32 sparsity = runtime sparse_block = 16 }",
+    "runtime_blocks_32_tiles_16_window": "attention v { head_dim = 32 sparsity = runtime sparse_block = 32 block_m = 16 block_n = 16 mask = q_idx - kv_idx < 50 and kv_idx - q_idx < 50 }",
+    "runtime_blocks_kv_outer_document": "attention v { head_dim = 32 loop_order = kv_outer sparsity = runtime sparse_block = 16 input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] }",
+    "runtime_blocks_dropout_bias_grad": "attention v { head_dim = 32 dropout = 0.2 sparsity = runtime sparse_block = 32 input kb: fp32[B, N] score = score + kb[b, kv_idx] }",
     "softcap_bottom_right_tiles_16": "attention v { head_dim = 32 mask = q_idx + kv_len - q_len >= kv_idx score = 10.0 * tanh(score / 10.0) block_m = 16 block_n = 32 }",
 }
 
