@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import SpecError
-from .spec import ARITH_OPS, COMPARE_OPS, Binary, Call, Const, Expr, Index, InputDecl, Type, Unary, Var
+from .spec import ARITH_OPS, BIT_OPS, COMPARE_OPS, Binary, Call, Const, Expr, Index, InputDecl, Type, Unary, Var
 
 # Variables of the language, with their type. Which ones an expression may use depends on the setting.
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
@@ -111,6 +111,15 @@ def typeof(e: Expr, scope: Scope) -> Type:
             if lt is Type.BOOL and rt is Type.BOOL and e.op in ("==", "!="):
                 return Type.BOOL
             raise SpecError(f"cannot compare {lt.value} {e.op} {rt.value}", e.span)
+        if e.op in BIT_OPS:
+            if e.op != "^" and lt is Type.BOOL and rt is Type.BOOL:
+                return Type.BOOL  # `&`, `|` on booleans: `and`, `or`
+            if lt is Type.INT and rt is Type.INT:
+                return Type.INT
+            what = "two integers (bitwise)" if e.op == "^" else "two integers (bitwise) or two booleans"
+            hint = (" (`&` and `|` bind looser than comparisons, like `and` and `or`: write (a & b) == c)"
+                    if Type.BOOL in (lt, rt) and e.op != "^" else "")
+            raise SpecError(f"`{e.op}` needs {what}, got {lt.value} and {rt.value}{hint}", e.span)
         assert e.op in ARITH_OPS, e.op
         for side, t in ((e.lhs, lt), (e.rhs, rt)):
             if not _is_number(t):
@@ -218,6 +227,9 @@ _FOLD_BINARY = {
     "!=": lambda a, b: a != b,
     "and": lambda a, b: a and b,
     "or": lambda a, b: a or b,
+    "&": lambda a, b: a & b,
+    "|": lambda a, b: a | b,
+    "^": lambda a, b: a ^ b,
 }
 
 _FOLD_CALL = {
@@ -251,6 +263,8 @@ def fold(e: Expr, scope: Scope) -> Expr:
             return a.operand
         return Unary(e.op, a, span=e.span)
     if isinstance(e, Binary):
+        if e.op in ("&", "|") and t is Type.BOOL:  # the boolean spellings of `and` and `or`
+            return fold(Binary("and" if e.op == "&" else "or", e.lhs, e.rhs, span=e.span), scope)
         a, b = fold(e.lhs, scope), fold(e.rhs, scope)
         if isinstance(a, Const) and isinstance(b, Const):
             try:
@@ -355,7 +369,7 @@ def _d(e: Expr, scope: Scope, wrt: str | Index) -> Expr:
         if e.op == "/":
             # (da*b - a*db) / b^2, written so that db == 0 folds to da / b
             return Binary("-", Binary("/", da, b), Binary("/", Binary("*", a, db), Binary("*", b, b)))
-        if e.op == "//":
+        if e.op == "//" or e.op in BIT_OPS:  # piecewise constant (bitwise operators: integers only)
             return ZERO
         if e.op == "%":  # a % b = a - floor(a / b) * b
             return Binary("-", da, Binary("*", Binary("//", a, b), db))
@@ -392,7 +406,7 @@ def _d(e: Expr, scope: Scope, wrt: str | Index) -> Expr:
 
 # ---- printing in the spec language ----------------------------------------------------------------
 # Binding strength of the .attn language's operators (higher binds tighter).
-_SPEC_PREC = {"or": 1, "and": 2, "not": 3, **{op: 4 for op in COMPARE_OPS}, "+": 5, "-": 5, "*": 6, "/": 6, "//": 6, "%": 6}
+_SPEC_PREC = {"or": 1, "|": 1, "and": 2, "&": 2, "not": 3, **{op: 4 for op in COMPARE_OPS}, "^": 4.5, "+": 5, "-": 5, "*": 6, "/": 6, "//": 6, "%": 6}
 _ATOM = 10
 
 
@@ -441,8 +455,10 @@ def nonnegative(e: Expr) -> bool:
         return e.type is not Type.BOOL and e.value >= 0
     if isinstance(e, Var):
         return e.name in _NONNEG_VARS
-    if isinstance(e, Binary) and e.op in ("+", "*", "//", "%", "/"):
+    if isinstance(e, Binary) and e.op in ("+", "*", "//", "%", "/", "|", "^"):
         return nonnegative(e.lhs) and nonnegative(e.rhs)
+    if isinstance(e, Binary) and e.op == "&":  # two's complement: a & b >= 0 when either is
+        return nonnegative(e.lhs) or nonnegative(e.rhs)
     if isinstance(e, Call):
         if e.func == "abs" or e.func in ("exp", "sqrt", "sigmoid"):
             return True
@@ -459,7 +475,7 @@ def _positive_const(e: Expr) -> bool:
 
 # ---- lowering to Triton -----------------------------------------------------------------------------
 # Python operator precedence of the generated code (higher binds tighter).
-_PY_PREC = {"|": 3, "&": 5, "cmp": 2, "+": 7, "-": 7, "*": 8, "/": 8, "//": 8, "%": 8}
+_PY_PREC = {"|": 3, "^": 4, "&": 5, "cmp": 2, "+": 7, "-": 7, "*": 8, "/": 8, "//": 8, "%": 8}
 _PY_UNARY = 9
 _PY_ATOM = 10
 
@@ -611,8 +627,8 @@ class Lowerer:
         raise TypeError(e)
 
     def _lower_binary(self, e: Binary, t: Type) -> tuple[str, int]:
-        if e.op in ("and", "or"):
-            op = "&" if e.op == "and" else "|"
+        if e.op in ("and", "or") or e.op in BIT_OPS:  # booleans (and, or) or integers (bitwise): Python's operators
+            op = {"and": "&", "or": "|"}.get(e.op, e.op)
             prec = _PY_PREC[op]
             lhs = self._paren(self._lower(e.lhs), prec)
             rhs = self._paren(self._lower(e.rhs), prec + 1)

@@ -113,12 +113,12 @@ def _as_bool(x) -> BoolRange:
 
 
 def _binary(e: Binary, env):
-    if e.op in ("and", "or"):
-        a, b = _as_bool(evaluate(e.lhs, env)), _as_bool(evaluate(e.rhs, env))
-        if e.op == "and":
+    a, b = evaluate(e.lhs, env), evaluate(e.rhs, env)
+    if e.op in ("and", "or") or (e.op in ("&", "|") and (isinstance(a, BoolRange) or isinstance(b, BoolRange))):
+        a, b = _as_bool(a), _as_bool(b)
+        if e.op in ("and", "&"):
             return BoolRange(a.may_be_false or b.may_be_false, a.may_be_true and b.may_be_true)
         return BoolRange(a.may_be_false and b.may_be_false, a.may_be_true or b.may_be_true)
-    a, b = evaluate(e.lhs, env), evaluate(e.rhs, env)
     if e.op in ("<", "<=", ">", ">=", "==", "!="):
         if isinstance(a, BoolRange) or isinstance(b, BoolRange):
             return _bool_compare(e.op, _as_bool(a), _as_bool(b))
@@ -154,6 +154,8 @@ def _arith(e: Binary, a: Interval, b: Interval) -> Interval:
         c = e.rhs.value
         ends = [math.floor(x / c) if not math.isinf(x) else (x if c > 0 else -x) for x in (a.lo, a.hi)]
         return Interval(min(ends), max(ends))
+    if e.op in ("&", "|", "^"):
+        return _bitwise(e, a, b)
     if e.op == "%":
         if not _is_const(e.rhs) or e.rhs.value == 0:
             return Interval.everything()
@@ -164,6 +166,25 @@ def _arith(e: Binary, a: Interval, b: Interval) -> Interval:
             return Interval(0, c - 1) if c > 0 else Interval(c + 1, 0)
         return Interval(0, c) if c > 0 else Interval(c, 0)
     raise TypeError(e.op)
+
+
+def _bitwise(e: Binary, a: Interval, b: Interval) -> Interval:
+    """Bitwise and/or/xor of integers: exact when both sides are one value; otherwise bounds that hold for
+    operands proved non-negative by the sign analysis (the same rules as the in-kernel code, _TileLowerer):
+    0 <= a & b <= min(a, b) (a & b <= a when only a >= 0), max(a, b) <= a | b <= a + b, 0 <= a ^ b <= a + b."""
+    if a.lo == a.hi and b.lo == b.hi and not math.isinf(a.lo) and not math.isinf(b.lo):
+        return Interval.point(_FOLD_BITS[e.op](int(a.lo), int(b.lo)))
+    left, right = nonnegative(e.lhs), nonnegative(e.rhs)
+    if e.op == "&" and (left or right):
+        return Interval(0, min(x.hi for x, known in ((a, left), (b, right)) if known))
+    if left and right:
+        if e.op == "|":
+            return Interval(max(a.lo, b.lo), a.hi + b.hi)
+        return Interval(0, a.hi + b.hi)
+    return Interval.everything()
+
+
+_FOLD_BITS = {"&": lambda x, y: x & y, "|": lambda x, y: x | y, "^": lambda x, y: x ^ y}
 
 
 def _compare(op: str, a: Interval, b: Interval) -> BoolRange:
@@ -467,6 +488,8 @@ class _TileLowerer:
                 for p in products[1:]:
                     lo, hi = self._new(f"tl.minimum({lo}, {p})"), self._new(f"tl.maximum({hi}, {p})")
                 return lo, hi
+            if e.op in ("&", "|", "^"):
+                return self._bitwise(e, a, b)
             positive = isinstance(e.rhs, Const) and e.rhs.value > 0
             if e.op == "//" and positive:  # monotone: floor(lo / c), floor(hi / c)
                 self.helpers.add("_floordiv")
@@ -504,6 +527,22 @@ class _TileLowerer:
                 hi = self._new(f"tl.where(~{c[0]}, {a[1]}, tl.where(~{c[1]}, {b[1]}, tl.maximum({a[1]}, {b[1]})))")
                 return lo, hi
         return None
+
+    def _bitwise(self, e: Binary, a: tuple[str, str], b: tuple[str, str]):
+        """As intervals._bitwise: the exact value where both sides are one value in this tile, else bounds from
+        the operands' signs (known at compile time; None if they do not give any)."""
+        left, right = nonnegative(e.lhs), nonnegative(e.rhs)
+        if e.op == "&" and (left or right):
+            bound = {(True, True): f"tl.minimum({a[1]}, {b[1]})", (True, False): a[1], (False, True): b[1]}[left, right]
+            lo, hi = "0", bound
+        elif left and right:
+            lo = f"tl.maximum({a[0]}, {b[0]})" if e.op == "|" else "0"
+            hi = f"{a[1]} + {b[1]}"
+        else:
+            return None
+        exact = self._new(f"({a[0]} == {a[1]}) & ({b[0]} == {b[1]})")
+        value = self._new(f"{a[0]} {e.op} {b[0]}")
+        return self._new(f"tl.where({exact}, {value}, {lo})"), self._new(f"tl.where({exact}, {value}, {hi})")
 
     def boolean(self, e: Expr) -> tuple[str, str]:
         """(may be false, may be true) code for a boolean expression; ("True", "True") when unknown."""

@@ -50,10 +50,12 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
         a = evaluate(e.lhs, env, inputs, scope, fdtype)
         b = evaluate(e.rhs, env, inputs, scope, fdtype)
         op = e.op
-        if op == "and":
+        if op in ("and", "&"):
             return torch.as_tensor(a) & torch.as_tensor(b)
-        if op == "or":
+        if op in ("or", "|"):
             return torch.as_tensor(a) | torch.as_tensor(b)
+        if op == "^":
+            return torch.as_tensor(a) ^ torch.as_tensor(b)
         if op == "/":
             return _tensor(a, fdtype).to(fdtype) / _tensor(b, fdtype).to(fdtype)
         if op in ("//", "%"):

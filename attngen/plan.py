@@ -291,12 +291,14 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     bwd_stages = max(1, min(MAX_STAGES, (smem - resident) // bwd_stage))
     steps.append(Step("backward num_stages", f"min({MAX_STAGES}, (smem - K,V{' - P,dS' if spec.dtype is DType.FP32 else ''} {resident}) // (Q+dO stage {bwd_stage}))", f"{bwd_stages}"))
 
-    if spec.sparsity == "runtime":
-        # the kernels walk lists of kept blocks; a tile must not straddle two blocks (powers of two: <= divides)
+    if spec.sparsity is not None:
+        # Runtime: the kernels walk lists of kept blocks, so a tile must not straddle two blocks (powers of two:
+        # <= divides). Static: the block pattern is part of the mask; a tile inside one block row and column sees
+        # q_blk and kv_blk as single values, so the classifier decides it exactly (a larger one is mostly partial).
         S = spec.sparse_block
         fits = [min(t, S) for t in (bm, bn, kbm, kbn, qbm, qbn)]
         if fits != [bm, bn, kbm, kbn, qbm, qbn]:
-            steps.append(Step("runtime block sparsity", f"every tile <= sparse_block = {S}", "tiles " + ", ".join(map(str, fits))))
+            steps.append(Step("block sparsity", f"every tile <= sparse_block = {S}", "tiles " + ", ".join(map(str, fits))))
         bm, bn, kbm, kbn, qbm, qbn = fits
 
     mask = effective_mask(spec)

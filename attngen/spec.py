@@ -104,6 +104,7 @@ class Index(Expr):
 ARITH_OPS = ("+", "-", "*", "/", "//", "%")
 COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
 BOOL_OPS = ("and", "or")
+BIT_OPS = ("&", "|", "^")  # integers: bitwise; `&` and `|` on booleans mean `and` and `or` (folded to them)
 
 
 # ---- the spec -----------------------------------------------------------------------------------

@@ -120,6 +120,9 @@ _TERMINAL_NAMES = {
     "COMP_OP": "a comparison (<, <=, >, >=, ==, !=)",
     "ADD_OP": "'+' or '-'",
     "MUL_OP": "'*', '/', '//' or '%'",
+    "PIPE": "'|'",
+    "AMP": "'&'",
+    "CARET": "'^'",
     "$END": "end of text",
 }
 

@@ -15,6 +15,7 @@ def int_exprs(max_leaves=8):
         return st.one_of(
             st.tuples(st.sampled_from(["+", "-", "*"]), children, children).map(lambda t: Binary(t[0], t[1], t[2])),
             st.tuples(st.sampled_from(["//", "%"]), children, nonzero).map(lambda t: Binary(t[0], t[1], t[2])),
+            st.tuples(st.sampled_from(["&", "|", "^"]), children, children).map(lambda t: Binary(t[0], t[1], t[2])),
             children.map(lambda c: Unary("-", c)),
             children.map(lambda c: Call("abs", (c,))),
             st.tuples(st.sampled_from(["min", "max"]), children, children).map(lambda t: Call(t[0], (t[1], t[2]))),

@@ -81,6 +81,8 @@ BAD = [
     ("attention t { head_dim = 64 mask = q_idx < 99999999999 }", "does not fit in 32 bits"),
     ("attention t { head_dim = 64 score = score * 1e999 }", "is not finite"),
     ("attention t { head_dim = 64 sparsity = q_idx > 0 }", "'q_idx' cannot be used in sparsity"),
+    ("attention t { head_dim = 64 mask = q_idx & 1 == 0 }", "`&` needs two integers (bitwise) or two booleans, got int and bool (`&` and `|` bind looser"),
+    ("attention t { head_dim = 64 mask = (q_idx ^ 1.5) > 0 }", "`^` needs two integers (bitwise), got int and float"),
 ]
 
 

@@ -191,6 +191,7 @@ def test_lowered_float_code_matches_torch(e, tmp_path):
         ("q_idx // 64 == kv_idx // 64", "q_idx // 64 == kv_idx // 64"),  # non-negative / positive: plain operators
         ("(q_idx - kv_idx) % 3 == 0", "_mod(q_idx - kv_idx, 3) == 0"),  # may be negative: Python semantics helper
         ("not (q_idx < 3) or kv_idx == 0", "~(q_idx < 3) | (kv_idx == 0)"),
+        ("((q_idx ^ kv_idx) & 1) == 0 & q_idx >= 0", "((q_idx ^ kv_idx) & 1 == 0) & (q_idx >= 0)"),  # bitwise, then `&` as `and`
     ],
 )
 def test_lowering_is_readable(text, code):

@@ -145,6 +145,9 @@ def _with_probe(tmp_path, name: str, source: str):
     "q_idx // 32 == kv_idx // 32",
     "q_idx + kv_len - q_len >= kv_idx",
     "abs(q_idx - kv_idx) <= 20 or kv_idx < 16",
+    # butterfly blocks of 32: block indices that differ in at most one bit (bitwise operators on integers)
+    "((q_idx // 32 ^ kv_idx // 32) & ((q_idx // 32 ^ kv_idx // 32) - 1)) == 0",
+    "(q_idx | kv_idx) < 64 or (q_idx & 48) == (kv_idx & 48)",
 ])
 def test_kernel_tile_ranges_match_the_classifier(text, tmp_path):
     import attngen

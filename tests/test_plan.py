@@ -82,7 +82,7 @@ def test_describe_shows_the_derivation():
 def test_runtime_sparsity_keeps_tiles_inside_sparse_blocks():
     p = plan(_spec("sparsity = runtime sparse_block = 32"), "h100")
     assert max(p.tile_sizes) == 32 and p.may_mask_rows  # a block mask may leave a row without keys
-    assert any(s.what == "runtime block sparsity" for s in p.steps)
+    assert any(s.what == "block sparsity" for s in p.steps)
     with pytest.raises(PlanError, match="block_n = 64 is larger than sparse_block = 32"):
         plan(_spec("sparsity = runtime sparse_block = 32 block_n = 64"), "h100")
 

@@ -61,7 +61,10 @@ def _expr(src: str):
         ("a // b % c", Binary("%", Binary("//", Var("a"), Var("b")), Var("c"))),
         ("-a * b", Binary("*", Unary("-", Var("a")), Var("b"))),
         ("a < b and c or not d", Binary("or", Binary("and", Binary("<", Var("a"), Var("b")), Var("c")), Unary("not", Var("d")))),
-        ("a & b | !c", Binary("or", Binary("and", Var("a"), Var("b")), Unary("not", Var("c")))),
+        # `&` and `|` parse at the level of `and` and `or` (their meaning, logical or bitwise, comes from the types)
+        ("a & b | !c", Binary("|", Binary("&", Var("a"), Var("b")), Unary("not", Var("c")))),
+        ("a ^ b == c + 1", Binary("==", Binary("^", Var("a"), Var("b")), Binary("+", Var("c"), Const(1, Type.INT)))),
+        ("(a & b) == 0", Binary("==", Binary("&", Var("a"), Var("b")), Const(0, Type.INT))),
         ("q_idx + 1 >= kv_idx", Binary(">=", Binary("+", Var("q_idx"), Const(1, Type.INT)), Var("kv_idx"))),
         ("doc[b, q_idx - 1]", Index("doc", (Var("b"), Binary("-", Var("q_idx"), Const(1, Type.INT))))),
         ("where(true, 1.5e-3, .5)", Call("where", (Const(True, Type.BOOL), Const(1.5e-3, Type.FLOAT), Const(0.5, Type.FLOAT)))),
