@@ -291,16 +291,11 @@ def _add_direct(read: Index, term: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def _sum_by_element(flat: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
-    """out[j] = sum of values[flat == j] in float64, in an order fixed by the data (no atomics): on CPU
-    index_add_ runs in order; on a GPU, a stable sort by element, a running sum in that order, and
-    differences at the element boundaries."""
-    values = values.double()
-    if flat.device.type == "cpu":
-        return torch.zeros(n, dtype=torch.float64).index_add_(0, flat, values)
-    order = torch.argsort(flat, stable=True)
-    running = torch.cat([values.new_zeros(1), values[order].cumsum(0)])
-    at_end = running[torch.bincount(flat, minlength=n).cumsum(0)]
-    return at_end - torch.cat([at_end.new_zeros(1), at_end[:-1]])
+    """out[j] = sum of values[flat == j] in float64, in index order (deterministic): CPU's index_add_ is a
+    sequential loop. CUDA's index_add_ and scatter_add_ use atomics, and a GPU version built from a stable sort
+    and a float64 cumsum was not bit-reproducible on the H100, so GPU terms are reduced on the host."""
+    out = torch.zeros(n, dtype=torch.float64).index_add_(0, flat.cpu(), values.cpu().double())
+    return out.to(values.device)
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,
