@@ -1,4 +1,4 @@
-"""attngen build | plan | targets | check. Spec errors print file:line:col with a caret and exit 2."""
+"""attngen build | plan | targets | check | bench. Spec errors print file:line:col with a caret and exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -104,6 +104,17 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import run
+
+    try:
+        run(args.spec, args.seq, json_path=args.json, dtype=args.dtype)
+    except RuntimeError as err:
+        print(f"attngen bench: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attngen", description="Compile .attn attention specs into Triton kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default=None, help="plan for this GPU (default: h100 on cpu, the live device on cuda)")
     p.add_argument("--quick", action="store_true", help="only the three smallest shapes")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("bench", help="time the kernels against FlexAttention and torch SDPA on this GPU")
+    p.add_argument("spec", nargs="+")
+    p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths (B = 16384 // N tokens per batch)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None, help="override the spec's dtype")
+    p.add_argument("--json", default=None, help="also write every measurement to this file")
+    p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     try:

@@ -35,7 +35,7 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
         valid = torch.ones_like(idx[0], dtype=torch.bool)
         clamped = []
         for dim, i in enumerate(idx):
-            valid &= (i >= 0) & (i < t.shape[dim])
+            valid = valid & (i >= 0) & (i < t.shape[dim])  # not in place: under vmap (FlexAttention) shapes differ
             clamped.append(i.clamp(0, t.shape[dim] - 1))
         val = t[tuple(clamped)]
         if val.dtype.is_floating_point:

@@ -1,0 +1,265 @@
+"""`attngen bench`: time generated kernels against their peers on a GPU, in one process, on the same inputs.
+
+Peers: FlexAttention (torch.compile(flex_attention)) with a mask_mod and score_mod derived from the same spec
+(the reference's own expression evaluator, so any spec has its Flex twin) and a BlockMask from create_block_mask;
+torch SDPA's flash and cuDNN backends where they express the variant (no mask or causal, no score
+modification, no inputs). Every provider's output is checked against the float32 naive reference (first batch
+entry, two heads) before it is timed; a provider that fails the check or raises is reported, not timed.
+Timing: triton.testing.do_bench medians after warm-up; backward = median(forward + backward) - median(forward).
+TFLOP/s count kept pairs only: forward = 4 B H Nq Nk d (kept fraction), backward = 2.5 x forward.
+The bf16 8192^3 matrix product is timed in the same run (the card's ceiling).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .expr import SCORE_VARS, Scope, variables
+from .naive import evaluate, reference
+from .plan import effective_mask
+from .spec import Binary, DType, Spec, Var
+
+_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+CHECK_TOLERANCE = 3e-2  # max |out - reference| accepted before timing (bf16 outputs of unit-variance inputs)
+_flex = None
+
+
+def flex():
+    """torch.compile(flex_attention), created once. FlexAttention recompiles per mask_mod/score_mod and shape;
+    past the default limit of 8 recompiles it silently falls back to an unfused path that materializes the
+    scores, so the limits are raised."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.cache_size_limit = 64
+        _flex = torch.compile(flex_attention, dynamic=False)
+    return _flex
+
+
+def median_ms(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def time_fwd_bwd(fwd, q, k, v, do) -> tuple[float, float]:
+    """(forward ms, backward ms) of fwd(q, k, v), q/k/v requiring grad, dO = do."""
+    t_fwd = median_ms(lambda: fwd(q, k, v))
+
+    def step():
+        out = fwd(q, k, v)
+        torch.autograd.grad(out, (q, k, v), do)
+
+    t_all = median_ms(step)
+    return t_fwd, max(t_all - t_fwd, 1e-9)
+
+
+def measure(name: str, fn, q, k, v, do, error_of, fwd_flop: float) -> dict:
+    """Check fn(q, k, v) first (error_of(out) is its max error against a reference; more than CHECK_TOLERANCE
+    or any NaN fails), then time its forward and backward. A failure is reported in the result, not raised:
+    one provider failing must not hide the others."""
+    try:
+        out = fn(q, k, v)
+        err = error_of(out)
+        assert err < CHECK_TOLERANCE and not torch.isnan(out).any(), f"{name}: max error {err} against the reference"
+        t_fwd, t_bwd = time_fwd_bwd(fn, q, k, v, do)
+        return {"fwd_ms": t_fwd, "bwd_ms": t_bwd, "max_err": err,
+                "fwd_tflops": fwd_flop / t_fwd * 1e-9, "bwd_tflops": 2.5 * fwd_flop / t_bwd * 1e-9}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def sdpa(backend, q, k, v, causal: bool):
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backend):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def matmul_tflops() -> float:
+    """The bf16 8192^3 matrix product: the ceiling of this card, measured in the same run."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / median_ms(lambda: a @ b) * 1e-9
+
+
+def versions() -> str:
+    import triton
+
+    return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+
+
+# ---- peers derived from the spec --------------------------------------------------------------------------
+def flex_mods(spec: Spec, inputs: dict, q_len: int, kv_len: int):
+    """(mask_mod, score_mod) for FlexAttention computing the spec: the naive reference's evaluator applied to
+    Flex's index tensors (either is None when the spec has no mask / no score modification). Flex's `score`
+    is q.k * scale, as the spec's."""
+    scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
+    mask = effective_mask(spec)
+
+    def env(b, h, q_idx, kv_idx):
+        return {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, "q_len": q_len, "kv_len": kv_len}
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return torch.as_tensor(evaluate(mask, env(b, h, q_idx, kv_idx), inputs, scope, torch.float32))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.as_tensor(evaluate(spec.score, env(b, h, q_idx, kv_idx) | {"score": score}, inputs, scope, torch.float32)).to(score.dtype)
+
+    return (mask_mod if mask is not None else None), (score_mod if spec.score is not None else None)
+
+
+def sdpa_variant(spec: Spec) -> bool | None:
+    """is_causal for torch SDPA if it computes the spec (no mask: False, causal: True), else None."""
+    if spec.score is not None or spec.inputs or spec.dropout or spec.sparsity is not None:
+        return None
+    if spec.mask is None:
+        return False
+    if spec.mask == Binary(">=", Var("q_idx"), Var("kv_idx")):
+        return True
+    return None
+
+
+def kept_fraction(spec: Spec, inputs: dict, batch: int, heads: int, q_len: int, kv_len: int, device,
+                  block_mask: torch.Tensor | None = None) -> float:
+    """Exact fraction of (b, h, q, kv) pairs the mask and a runtime block mask keep, counted in row chunks."""
+    mask = effective_mask(spec)
+    if mask is None and block_mask is None:
+        return 1.0
+    scope = Scope("mask", SCORE_VARS, spec.inputs_by_name)
+    uses = variables(mask) if mask is not None else frozenset()
+    per_b = "b" in uses or bool(spec.inputs) or (block_mask is not None and block_mask.shape[0] > 1)
+    per_h = "h" in uses or bool(spec.inputs) or (block_mask is not None and block_mask.shape[1] > 1)
+    bs = torch.arange(batch if per_b else 1, device=device).view(-1, 1, 1, 1)
+    hs = torch.arange(heads if per_h else 1, device=device).view(1, -1, 1, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+    kept = 0
+    for start in range(0, q_len, 256):
+        qi = torch.arange(start, min(start + 256, q_len), device=device).view(1, 1, -1, 1)
+        shape = (bs.numel(), hs.numel(), qi.numel(), kv_len)
+        env = {"b": bs, "h": hs, "q_idx": qi, "kv_idx": kv, "q_len": q_len, "kv_len": kv_len}
+        keep = torch.ones((), dtype=torch.bool, device=device) if mask is None else torch.as_tensor(evaluate(mask, env, inputs, scope, torch.float32))
+        keep = keep.broadcast_to(shape)
+        if block_mask is not None:
+            S = spec.sparse_block
+            rows = block_mask[:, :, start // S: (start + qi.numel() - 1) // S + 1].repeat_interleave(S, -2)
+            keep = keep & rows[..., start % S: start % S + qi.numel(), :].repeat_interleave(S, -1)[..., :kv_len]
+        kept += int(keep.sum())
+    return kept / (bs.numel() * hs.numel() * q_len * kv_len)
+
+
+def _slice_inputs(spec: Spec, inputs: dict, heads: int) -> dict:
+    """The inputs of batch entry 0 and the first `heads` heads (dims declared B / H)."""
+    out = {}
+    for decl in spec.inputs:
+        t = inputs[decl.name]
+        index = tuple(slice(0, 1) if d == "B" else slice(0, heads) if d == "H" else slice(None) for d in decl.dims)
+        out[decl.name] = t[index]
+    return out
+
+
+def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0) -> dict:
+    """One configuration: B = tokens // seq, H = width // head_dim, every provider that expresses the spec."""
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from . import verify
+
+    spec = kernel.spec
+    d = spec.head_dim
+    batch, heads = max(1, tokens // seq), max(1, width // d)
+    dtype = _TORCH[spec.dtype.value]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, do = (torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    inputs = verify.make_inputs(spec, batch, heads, seq, seq, "cuda", torch.Generator().manual_seed(seed))
+    block_mask_arg = inputs.pop("block_mask", None)
+    extra = {"block_mask": block_mask_arg} if block_mask_arg is not None else {}
+    if spec.dropout:
+        extra["dropout_p"], extra["seed"] = spec.dropout, 1234
+    kept = kept_fraction(spec, inputs, batch, heads, seq, seq, "cuda", block_mask_arg)
+    fwd_flop = 4 * batch * heads * seq * seq * d * kept
+    small = _slice_inputs(spec, inputs, 2)
+    ref_extra = dict(extra)
+    if block_mask_arg is not None:
+        ref_extra["block_mask"] = block_mask_arg[:1, :2]
+    want = reference(spec, q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), **ref_extra, **small)
+
+    def error_of(out):
+        return (out[:1, :2].float() - want).abs().max().item()
+
+    providers = {"attngen": lambda q, k, v: kernel(q, k, v, **extra, **inputs)}
+    if not spec.dropout and spec.sparsity != "runtime":
+        mask_mod, score_mod = flex_mods(spec, inputs, seq, seq)
+        bm = None
+        if mask_mod is not None:
+            uses = variables(effective_mask(spec)) | ({"b", "h"} if spec.inputs else set())
+            bm = create_block_mask(mask_mod, batch if "b" in uses else None, heads if "h" in uses else None, seq, seq, device="cuda")
+        providers["flex"] = lambda q, k, v: flex()(q, k, v, score_mod=score_mod, block_mask=bm)
+    causal = sdpa_variant(spec)
+    if causal is not None:
+        providers["sdpa_flash"] = lambda q, k, v: sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal)
+        providers["sdpa_cudnn"] = lambda q, k, v: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)
+    row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dtype": spec.dtype.value, "kept": kept}
+    for name, fn in providers.items():
+        row[name] = measure(name, fn, q, k, v, do, error_of, fwd_flop)
+    return row
+
+
+PROVIDERS = ("attngen", "flex", "sdpa_flash", "sdpa_cudnn")
+
+
+def format_table(rows: list[dict], ceiling: float | None = None) -> str:
+    """TFLOP/s forward / backward per provider, and attngen's speed over FlexAttention's and cuDNN's."""
+    def cell(r):
+        return f"{r['fwd_tflops']:5.0f} /{r['bwd_tflops']:5.0f}" if "fwd_tflops" in r else ("failed" if "error" in r else "-")
+
+    def ratio(row, p):
+        a, b = row.get("attngen", {}), row.get(p, {})
+        if "fwd_tflops" in a and "fwd_tflops" in b:
+            return f"{a['fwd_tflops'] / b['fwd_tflops']:.2f}/{a['bwd_tflops'] / b['bwd_tflops']:.2f}"
+        return "-"
+
+    head = f"{'config':<34}" + "".join(f"{p:>14}" for p in PROVIDERS) + f"{'vs flex':>12}{'vs cudnn':>12}"
+    lines = ["TFLOP/s forward / backward (kept pairs only)" + (f"; bf16 8192^3 matmul {ceiling:.0f}" if ceiling else ""), head]
+    for row in rows:
+        name = f"{row['spec']} d={row['d']} N={row['N']} {row['dtype']}"
+        lines.append(f"{name:<34}" + "".join(f"{cell(row.get(p, {})):>14}" for p in PROVIDERS)
+                     + f"{ratio(row, 'flex'):>12}{ratio(row, 'sdpa_cudnn'):>12}")
+    for row in rows:
+        for p in PROVIDERS:
+            if "error" in row.get(p, {}):
+                lines.append(f"  {row['spec']} N={row['N']} {p}: {row[p]['error']}")
+    return "\n".join(lines)
+
+
+def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: str | None = None, progress=print) -> list[dict]:
+    """The CLI's work: compile each spec for the live GPU, time every configuration, print the table."""
+    from .check import read_spec
+    from .runtime import compile as compile_spec
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("attngen bench needs a CUDA GPU (timings of Triton's interpreter mean nothing)")
+    rows = []
+    for path in paths:
+        spec = read_spec(path)
+        if dtype:
+            spec = replace(spec, dtype=DType(dtype))
+        kernel = compile_spec(spec)
+        for seq in seqs:
+            progress(f"[bench] {spec.name} N={seq} ...")
+            rows.append(bench_spec(kernel, seq))
+    ceiling = matmul_tflops()
+    progress(f"\n{versions()}")
+    progress(format_table(rows, ceiling))
+    if json_path:
+        from .cache import write_atomic
+
+        write_atomic(Path(json_path), json.dumps({"versions": versions(), "matmul_tflops": ceiling, "rows": rows}, indent=1))
+    return rows
