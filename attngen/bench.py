@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from . import blocks
 from .expr import SCORE_VARS, Scope, variables
 from .naive import evaluate, reference
 from .plan import effective_mask
 from .spec import Binary, DType, Spec, Var
 
-_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 CHECK_TOLERANCE = 3e-2  # max |out - reference| accepted before timing (bf16 outputs of unit-variance inputs)
 _flex = None
 
@@ -145,10 +145,10 @@ def kept_fraction(spec: Spec, inputs: dict, batch: int, heads: int, q_len: int, 
         env = {"b": bs, "h": hs, "q_idx": qi, "kv_idx": kv, "q_len": q_len, "kv_len": kv_len}
         keep = torch.ones((), dtype=torch.bool, device=device) if mask is None else torch.as_tensor(evaluate(mask, env, inputs, scope, torch.float32))
         keep = keep.broadcast_to(shape)
-        if block_mask is not None:
+        if block_mask is not None:  # the block rows this chunk touches, as elements
             S = spec.sparse_block
-            rows = block_mask[:, :, start // S: (start + qi.numel() - 1) // S + 1].repeat_interleave(S, -2)
-            keep = keep & rows[..., start % S: start % S + qi.numel(), :].repeat_interleave(S, -1)[..., :kv_len]
+            rows = block_mask[:, :, start // S: (start + qi.numel() - 1) // S + 1]
+            keep = keep & blocks.expand(rows, S, start % S + qi.numel(), kv_len)[..., start % S:, :]
         kept += int(keep.sum())
     return kept / (bs.numel() * hs.numel() * q_len * kv_len)
 
@@ -173,7 +173,7 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
     spec = kernel.spec
     d = spec.head_dim
     batch, heads = max(1, tokens // seq), max(1, width // d)
-    dtype = _TORCH[spec.dtype.value]
+    dtype = verify._TORCH[spec.dtype.value]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, do = (torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
     for t in (q, k, v):

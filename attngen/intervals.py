@@ -17,7 +17,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from .expr import nonnegative, typeof
+from .expr import _FOLD_BINARY, nonnegative, typeof
 from .expr import variables as _variables
 from .spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
 
@@ -173,7 +173,7 @@ def _bitwise(e: Binary, a: Interval, b: Interval) -> Interval:
     operands proved non-negative by the sign analysis (the same rules as the in-kernel code, _TileLowerer):
     0 <= a & b <= min(a, b) (a & b <= a when only a >= 0), max(a, b) <= a | b <= a + b, 0 <= a ^ b <= a + b."""
     if a.lo == a.hi and b.lo == b.hi and not math.isinf(a.lo) and not math.isinf(b.lo):
-        return Interval.point(_FOLD_BITS[e.op](int(a.lo), int(b.lo)))
+        return Interval.point(_FOLD_BINARY[e.op](int(a.lo), int(b.lo)))
     left, right = nonnegative(e.lhs), nonnegative(e.rhs)
     if e.op == "&" and (left or right):
         return Interval(0, min(x.hi for x, known in ((a, left), (b, right)) if known))
@@ -183,8 +183,6 @@ def _bitwise(e: Binary, a: Interval, b: Interval) -> Interval:
         return Interval(0, a.hi + b.hi)
     return Interval.everything()
 
-
-_FOLD_BITS = {"&": lambda x, y: x & y, "|": lambda x, y: x | y, "^": lambda x, y: x ^ y}
 
 
 def _compare(op: str, a: Interval, b: Interval) -> BoolRange:

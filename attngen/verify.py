@@ -127,8 +127,10 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
         ref_grads = [g.cpu() for g in torch.autograd.grad(ref, wide, do.double())]
         naive_grads = torch.autograd.grad(naive, naive_leaves, do)
         terms = _gradient_terms(spec.softmax_scale, *(t.detach() for t in wide[:3]), do.double(), Hq // Hkv, lse_peak)
-        read_terms = _read_terms(kernel, *(t.detach() for t in wide[:3]), do.double(), wide_inputs)
-        via_delta = _error_through_delta(kernel, *(t.detach() for t in wide[:3]), do.double(), out.detach().double() - ref.detach(), wide_inputs)
+        reads = _read_derivatives(kernel, *(t.detach() for t in wide[:2]), wide_inputs)
+        read_terms = _read_terms(kernel, *(t.detach() for t in wide[1:3]), do.double(), reads)
+        via_delta = _error_through_delta(kernel, *(t.detach() for t in wide[:3]), do.double(), out.detach().double() - ref.detach(),
+                                         wide_inputs, reads)
         names = ["dq", "dk", "dv"] + [f"d{name}" for name in grad_inputs]
         for name, g, rg, ng in zip(names, grads, ref_grads, naive_grads):
             res.nan |= bool(torch.isnan(g).any())
@@ -148,7 +150,20 @@ def _gradient_terms(scale: float, q, k, v, do, group: int, lse_peak: float) -> f
     return max(scale * dp * max(q.max().item(), k.max().item()), (score + lse_peak) * do.max().item())
 
 
-def _error_through_delta(kernel, q, k, v, do, out_err, inputs: dict) -> dict[str, float]:
+def _read_derivatives(kernel, q, k, inputs: dict):
+    """(the score variables of every pair, the inputs detached, |d score / d read| per differentiated read), in
+    float64: shared by both bounds on the input gradients. None when there is no pair."""
+    if q.numel() == 0 or k.numel() == 0:
+        return None
+    spec = kernel.spec
+    kf = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    env = score_env((q @ kf.transpose(-1, -2)) * spec.softmax_scale)
+    scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
+    detached = {name: t.detach() for name, t in inputs.items()}
+    return env, detached, [torch.as_tensor(evaluate(g.derivative, env, detached, scope, torch.float64)).abs() for g in kernel.plan.read_grads]
+
+
+def _error_through_delta(kernel, q, k, v, do, out_err, inputs: dict, reads) -> dict[str, float]:
     """What the forward's own error (already checked) adds to dQ and dK: the backward reads O back to form
     delta = rowsum(dO * O), as FlashAttention does, so delta is off by at most e_i = sum_d |dO_id| |O_id - O*_id|,
     and dS = P (dP - delta) by P e. That gives |dQ_id| <= scale * e_i * (P |K|)_id and |dK_jd| <=
@@ -168,11 +183,9 @@ def _error_through_delta(kernel, q, k, v, do, out_err, inputs: dict) -> dict[str
     out = {"dq": dq, "dk": dk}
     # a float input's gradient sums P (dP - delta) |d score / d read| over the pairs that read each element: the
     # reference's own gather (evaluate on a zero copy of the input) sums P e |d| into the elements the same way
-    env = score_env((q @ kf.transpose(-1, -2)) * scale)
+    env, detached, derivatives = reads
     scope = Scope("score", SCORE_VARS, kernel.spec.inputs_by_name)
-    detached = {n: t.detach() for n, t in inputs.items()}
-    for g in kernel.plan.read_grads:
-        d = torch.as_tensor(evaluate(g.derivative, env, detached, scope, torch.float64)).abs()
+    for g, d in zip(kernel.plan.read_grads, derivatives):
         probe = torch.zeros_like(detached[g.read.input], dtype=torch.float64, requires_grad=True)
         gathered = evaluate(g.read, env, {**detached, g.read.input: probe}, scope, torch.float64)
         weight = torch.nan_to_num(p * e[..., None] * d, posinf=0.0)
@@ -182,21 +195,15 @@ def _error_through_delta(kernel, q, k, v, do, out_err, inputs: dict) -> dict[str
     return out
 
 
-def _read_terms(kernel, q, k, v, do, inputs: dict) -> dict[str, float]:
+def _read_terms(kernel, k, v, do, reads) -> dict[str, float]:
     """Per differentiated input: the largest term its gradient sums, |dP| * |d score / d read| (|delta| <= max
     |dP|, so each term d loss/d score * d score/d read = P (dP - delta) * ... is at most twice that)."""
-    spec = kernel.spec
-    group = q.shape[1] // k.shape[1]
     out: dict[str, float] = {}
-    if q.numel() == 0 or k.numel() == 0:
+    if reads is None:
         return {g.read.input: 0.0 for g in kernel.plan.read_grads}
-    kf, vf = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    vf = v.repeat_interleave(do.shape[1] // k.shape[1], dim=1)
     dp = (do.abs() @ vf.abs().transpose(-1, -2)).max().item()
-    env = score_env((q @ kf.transpose(-1, -2)) * spec.softmax_scale)
-    scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
-    detached = {name: t.detach() for name, t in inputs.items()}
-    for g in kernel.plan.read_grads:
-        d = torch.as_tensor(evaluate(g.derivative, env, detached, scope, torch.float64)).abs()
+    for g, d in zip(kernel.plan.read_grads, reads[2]):
         d = d[torch.isfinite(d)]
         out[g.read.input] = max(out.get(g.read.input, 0.0), 2 * dp * (d.max().item() if d.numel() else 0.0))
     return out

@@ -24,6 +24,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
+from attngen.bench import kept_fraction  # noqa: E402
 from attngen.check import load_spec  # noqa: E402
 from attngen.spec import DType  # noqa: E402
 from harness import flex, matmul_tflops, measure, median_ms, time_fwd_bwd, versions  # noqa: E402
@@ -75,7 +76,7 @@ def main():
             kern = attngen.compile(spec)
             kern_off = attngen.compile(spec, classify=False)
             block_mask = create_block_mask(mask_mods[name], batch if name == "document" else None, None, n, n, device=dev)
-            kept = _kept_fraction(mask_mods[name], batch, n, dev)
+            kept = kept_fraction(spec, inputs, batch, H, n, n, dev)
             fwd_flop = 4 * batch * H * n * n * D * kept
             providers = {
                 "attngen": lambda q, k, v: kern(q, k, v, **inputs),
@@ -118,17 +119,6 @@ def main():
                   f"({100 * row['prepass_ms'] / row['attngen']['fwd_ms']:.2f}% of the forward)" if "fwd_ms" in row.get("attngen", {}) else "")
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_tflops": mm, "versions": versions(), "rows": rows}, indent=1))
-
-
-def _kept_fraction(mask_mod, batch: int, n: int, dev: str) -> float:
-    """Exact fraction of (b, h, q, kv) pairs the mask keeps (heads alike), counted in row blocks."""
-    kept = 0
-    ki = torch.arange(n, device=dev)[None, :]
-    for b in range(batch):
-        for start in range(0, n, 1024):
-            qi = torch.arange(start, min(start + 1024, n), device=dev)[:, None]
-            kept += int(mask_mod(torch.tensor(b, device=dev), 0, qi, ki).sum())
-    return kept / (batch * n * n)
 
 
 if __name__ == "__main__":
