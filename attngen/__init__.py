@@ -18,6 +18,10 @@ def __getattr__(name):
         from . import runtime
 
         return getattr(runtime, name)
+    if name in ("load", "BundleError", "BundleWarning"):
+        from . import bundle
+
+        return getattr(bundle, name)
     if name in ("block_mask_from", "block_mask_from_dense"):
         from . import blocks
 
@@ -46,4 +50,7 @@ __all__ = [
     "block_mask_from",
     "block_mask_from_dense",
     "load_spec",
+    "load",
+    "BundleError",
+    "BundleWarning",
 ]

@@ -54,21 +54,21 @@ def cmd_plan(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from .cache import write_atomic
-    from .plan import plan
-    from .render import build_source
+    from .bundle import build
 
-    # Everything is planned and rendered before anything is written: an error leaves the directory as it was.
-    outputs = []
-    for spec in _specs(args.spec):
-        for target in args.target:
-            kernel_plan = plan(spec, target)
-            _, source = build_source(kernel_plan)
-            outputs.append((Path(args.output) / f"{spec.name}_{kernel_plan.target.name}.py", source, kernel_plan))
-    for path, source, kernel_plan in outputs:
-        write_atomic(path, source)
-        p = kernel_plan
-        print(f"wrote {path}  (fwd {p.block_m}x{p.block_n}, {p.num_warps} warps, {p.num_stages} stages; {p.loop_order.value})")
+    # Everything is planned before anything is compiled, and the output directory is replaced only when the whole
+    # build succeeded: an error leaves it as it was.
+    manifest = build(args.spec, args.target, args.output, jobs=args.jobs, binaries=not args.no_binaries, progress=not args.quiet)
+    built = {(s.name) for s in _specs(args.spec)}
+    for e in manifest["entries"]:
+        if e["name"] not in built or e["target"] not in {t.lower() for t in args.target}:
+            continue
+        f = e["plan"]["forward"]
+        kernels = f"{len(e['kernels'])} binaries for sm_{e['arch']}" if e["kernels"] else "no binaries (--no-binaries)"
+        print(f"wrote {Path(args.output) / e['module']['path']}  (fwd {f['block_m']}x{f['block_n']}, {f['num_warps']} warps, "
+              f"{f['num_stages']} stages; {e['plan']['loop_order']}) + {kernels}")
+    print(f"bundle {args.output}: {len(manifest['entries'])} spec/target entries; load it with attngen.load({str(args.output)!r}"
+          f"{', name' if len({e['name'] for e in manifest['entries']}) > 1 else ''})")
     return 0
 
 
@@ -119,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attngen", description="Compile .attn attention specs into Triton kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("build", help="write the generated modules for a target (no GPU needed)")
+    p = sub.add_parser("build", help="build an ahead-of-time bundle: generated modules and GPU binaries for targets (no GPU needed)")
     p.add_argument("spec", nargs="+", help=".attn files")
     p.add_argument("--target", action="append", required=True, help="GPU name from `attngen targets` (repeatable)")
-    p.add_argument("-o", "--output", default="build", help="output directory (default: ./build)")
+    p.add_argument("-o", "--output", default="build", help="bundle directory (default: ./build); attngen.load(DIR) loads it")
+    p.add_argument("-j", "--jobs", type=int, default=None, help="compiler processes (default: one per CPU core)")
+    p.add_argument("--no-binaries", action="store_true", help="only the generated modules and the manifest (fast; the kernels compile at first use)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("plan", help="print the tiling plan and its derivation from the target's SRAM")

@@ -60,6 +60,7 @@ class Kernel:
     """A compiled attention variant: call it like a function of (q, k, v, **inputs)."""
 
     def __init__(self, spec: Spec, kernel_plan: KernelPlan, source: str, path: Path, module: ModuleType):
+        self.bundle = None  # attngen.bundle.BundleInfo when loaded from an ahead-of-time bundle
         self.spec = spec
         self.plan = kernel_plan
         self.source = source
@@ -299,11 +300,20 @@ def _sum_by_element(flat: torch.Tensor, values: torch.Tensor, n: int) -> torch.T
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-            classify: bool = True) -> Kernel:
+            classify: bool = True, bundle: str | os.PathLike | None = None, strict: bool = False) -> Kernel:
     """Parse, check, plan, render, cache and load a spec. `spec` is a path, spec text, or a Spec;
     `target` overrides the spec's target (a name from `attngen targets`, or "auto"). `classify=False`
-    builds kernels that visit and mask every tile (a baseline to measure tile classification against)."""
+    builds kernels that visit and mask every tile (a baseline to measure tile classification against).
+    `bundle`: a directory from `attngen build -o DIR`; its prebuilt binaries of this spec for the live GPU are
+    used (no compilation), else a BundleWarning says why and the spec is compiled just in time (with
+    strict=True: BundleError). See attngen.load."""
     spec_obj = read_spec(spec)
+    if bundle is not None:
+        if not classify:
+            raise InputError("classify=False builds a measurement baseline, which bundles do not hold; drop bundle= or classify=")
+        from .bundle import load
+
+        return load(bundle, spec=spec_obj, strict=strict, target=target)
     kernel_plan = make_plan(spec_obj, target, classify=classify)
     key, source = build_source(kernel_plan)
     module = _load(spec_obj.name, key, source, Path(cache_dir) if cache_dir else None)

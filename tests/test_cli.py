@@ -12,9 +12,11 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_build_writes_one_module_per_spec_and_target(tmp_path, capsys):
-    assert main(["build", str(ROOT / "specs" / "causal.attn"), str(ROOT / "specs" / "document.attn"), "--target", "h100", "--target", "a100", "-o", str(tmp_path)]) == 0
+    # --no-binaries: the modules and the manifest only (tests/test_bundle.py compiles binaries)
+    assert main(["build", str(ROOT / "specs" / "causal.attn"), str(ROOT / "specs" / "document.attn"), "--target", "h100", "--target", "a100",
+                 "-o", str(tmp_path), "--no-binaries"]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["causal_a100.py", "causal_h100.py", "document_a100.py", "document_h100.py"]
+    assert names == ["causal_a100.py", "causal_h100.py", "document_a100.py", "document_h100.py", "manifest.json"]
     assert "wrote" in capsys.readouterr().out
     compile((tmp_path / "causal_h100.py").read_text(), "causal_h100.py", "exec")
 
@@ -65,7 +67,7 @@ def test_check_runs_the_reference_comparison(capsys, device):
 
 def test_console_script_runs_from_another_directory(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "attngen", "build", str(ROOT / "specs" / "causal.attn"), "--target", "h100"],
+    proc = subprocess.run([sys.executable, "-m", "attngen", "build", str(ROOT / "specs" / "causal.attn"), "--target", "h100", "--no-binaries"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "build" / "causal_h100.py").is_file()

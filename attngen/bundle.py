@@ -1,0 +1,656 @@
+"""Ahead-of-time bundles: generated modules plus their GPU binaries, built on a machine without a GPU.
+
+    attngen build specs/causal.attn --target h100 -o build      # any machine; no GPU, no CUDA toolkit
+    kern = attngen.load("build")                                  # on the H100: no Triton compilation
+
+A bundle is a directory: `manifest.json`, one readable module per (spec, target) (`causal_h100.py`, the
+same file the JIT path caches) and the binaries of its kernels (`causal_h100/<kernel>-<hash>/` with the
+.cubin, Triton's metadata .json and the .ptx). Paths in the manifest are relative: copy the directory
+anywhere. Every file's sha256 is in the manifest and is checked on load.
+
+What to compile. Triton compiles one binary per *specialization* of a kernel: argument types, which integer
+arguments equal 1, which pointers and integers are divisible by 16, the constexpr values, warps and stages.
+A build finds the specializations a spec really needs the way the GPU would: it imports the generated module
+with real (not interpreted) Triton kernels, puts a recorder in place of each kernel, and calls the module's
+own launchers (forward and backward; with and without dropout and input gradients where the spec has them)
+on small CPU tensors at three sequence lengths whose strides fall in different divisibility classes (256,
+200, 201). Triton's own binder specializes each recorded launch for the target's backend, as the JIT does
+on the device; every distinct specialization is compiled with
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`, in worker processes (a crash in
+LLVM cannot take the build down with it).
+
+How a load launches them. Triton's JIT, on a call it has no binary for, calls its kernel's `compile`
+attribute. `load` points that attribute, for each kernel of the bundle's module, at a lookup in the bundle:
+the JIT specializes the call as usual, and a specialization the bundle holds comes back as a
+`CompiledKernel` made from the bundle's files, which the JIT then caches and launches: no compilation.
+A specialization the bundle lacks (a tensor not 16-byte aligned, an int64 stride, a non-contiguous input)
+is compiled just in time with a BundleWarning, or raises BundleError with strict=True.
+
+Before that, `load` checks, in this order, and on the first failure warns and compiles the bundle's spec just
+in time (strict=True: raises BundleError): every file's digest; that this attngen and Triton render
+exactly the bundled module from the bundled spec (so the binaries were built from this code); Triton's
+version; a CUDA device whose compute capability is the target's. torch's version is recorded but not
+checked: the binaries do not depend on it.
+
+A digest detects corruption and edits of single files, not a malicious bundle: whoever can rewrite the
+binaries can rewrite the manifest. Loading a bundle runs its module's Python code: load bundles you trust,
+as you would a Python package.
+
+Uses two internals of Triton 3.6 (pinned): `triton.runtime.jit.create_function_from_signature` and
+`JITFunction._pack_args` (the JIT's binder), and the `compile` attribute the JIT calls on a cache miss.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import types
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .errors import AttngenError
+
+FORMAT = "attngen-bundle/1"
+MANIFEST = "manifest.json"
+SHAPES = ((2, 4, 2, 256, 256), (2, 4, 2, 200, 200), (1, 2, 1, 201, 201))  # (B, Hq, Hkv, Nq, Nk); see the module doc
+KEEP_EXTENSIONS = ("cubin", "json", "ptx")  # the binary, Triton's metadata (both needed to launch), and the readable PTX
+# Triton options that change the binary (the others are the backend's constants or build-machine paths)
+OPTION_KEYS = ("arch", "num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
+               "launch_pdl", "debug", "sanitize_overflow", "instrumentation_mode")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class BundleError(AttngenError):
+    """A bundle cannot be built, or (strict=True) cannot be used as built."""
+
+
+class BundleWarning(UserWarning):
+    """A bundle was not used as built: kernels are compiled just in time instead (the message says why)."""
+
+
+# ------------------------------------------------------------------------------------------------ specializations
+
+def specialization_key(src, options: dict) -> str:
+    """A canonical string of everything that selects a binary: the kernel, its argument types, constexpr
+    values, divisibility attributes and the options in OPTION_KEYS. `src` is Triton's ASTSource, built by the
+    build from a recorded launch and by Triton's JIT on the device from a real one: the same call gives the
+    same key on both."""
+    names = list(src.signature)
+
+    def arg(path) -> str:
+        return ".".join([names[path[0]]] + [str(i) for i in path[1:]])
+
+    return json.dumps({
+        "kernel": src.name,
+        "signature": {k: str(v) for k, v in src.signature.items()},
+        "constants": {arg(k): repr(v) for k, v in src.constants.items()},
+        "attrs": {arg(k): v for k, v in src.attrs.items() if v},
+        "options": {k: options.get(k) for k in OPTION_KEYS},
+    }, sort_keys=True)
+
+
+def _describe_miss(key: str, known: list[str]) -> str:
+    """Which arguments of a call's specialization differ from the nearest one the bundle holds."""
+    def say(part: str, value) -> str:
+        if part == "attrs":
+            return "divisible by 16" if value else "not known divisible by 16"
+        if part == "constants":
+            return "not a constant" if value is None else f"constant {value}"
+        return repr(value)
+
+    got = json.loads(key)
+    best, diff = None, None
+    for k in known:
+        have = json.loads(k)
+        d = []
+        for part in ("signature", "constants", "attrs", "options"):
+            for name in sorted(set(got[part]) | set(have[part])):
+                if got[part].get(name) != have[part].get(name):
+                    d.append(f"{name}: {say(part, got[part].get(name))} in this call, {say(part, have[part].get(name))} in the bundle")
+        if diff is None or len(d) < len(diff):
+            best, diff = k, d
+    if best is None:
+        return "the bundle has no binary of this kernel"
+    return "differs in " + "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+
+
+# ------------------------------------------------------------------------------------------------ importing
+
+def _exec_module(name: str, path: Path, source: str) -> types.ModuleType:
+    """Import `source` as module `name` with file `path` (Triton reads kernels' source through the file)."""
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    sys.modules[name] = module
+    exec(compile(source, str(path), "exec"), module.__dict__)
+    return module
+
+
+def _import_compiled(name: str, path: Path, source: str) -> types.ModuleType:
+    """The module with real Triton kernels (JITFunction), even in a process that runs the interpreter."""
+    import triton
+
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False
+        return _exec_module(name, path, source)
+
+
+def _kernels(module) -> dict:
+    from triton.runtime.jit import JITFunction
+
+    return {name: fn for name, fn in vars(module).items() if isinstance(fn, JITFunction)}
+
+
+# ------------------------------------------------------------------------------------------------ recording
+
+@dataclass
+class _Launch:
+    kernel: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    key: str
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the specialization Triton's JIT
+    would compile for those arguments on `target`, and launches nothing."""
+
+    def __init__(self, fn, backend, sink: list):
+        from triton.runtime.jit import create_function_from_signature
+
+        self.fn, self.backend, self.sink = fn, backend, sink
+        self.binder = create_function_from_signature(fn.signature, fn.params, backend)
+
+    def __getitem__(self, grid):
+        import triton
+        from triton.compiler import ASTSource
+
+        def launch(*args, **kwargs):
+            kwargs["debug"] = kwargs.get("debug", self.fn.debug) or triton.knobs.runtime.debug  # as JITFunction.run
+            kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+            bound, specialization, options = self.binder(*args, **kwargs)
+            options, signature, constexprs, attrs = self.fn._pack_args(self.backend, kwargs, bound, specialization, options)
+            opts = dict(options.__dict__)
+            key = specialization_key(ASTSource(self.fn, signature, constexprs, attrs), opts)
+            self.sink.append(_Launch(self.fn.__name__, signature, constexprs, attrs, opts, key))
+
+        return launch
+
+
+def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
+    """Every distinct specialization the module's launchers ask for (see the module doc), for sm_`arch`."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    from .runtime import Kernel, _Dims
+    from .verify import _TORCH, make_inputs
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    sink: list[_Launch] = []
+    originals = _kernels(module)
+    spec = kernel_plan.spec
+    kern = Kernel(spec, kernel_plan, "", Path(module.__file__), module)
+    dtype = _TORCH[spec.dtype.value]
+    try:
+        for name, fn in originals.items():
+            setattr(module, name, _Recorder(fn, backend, sink))
+        for B, Hq, Hkv, Nq, Nk in SHAPES:
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randn(B, Hq, Nq, spec.head_dim, generator=gen).to(dtype)
+            k = torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(dtype)
+            v = torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(dtype)
+            inputs = make_inputs(spec, B, Hq, Nq, Nk, "cpu", gen)
+            block_mask = inputs.pop("block_mask", None)
+            tensors = [inputs[d.name] for d in spec.inputs]
+            blocks = kern._blocks(block_mask, _Dims(B, Hq, Hkv, Nq, Nk), q.device)
+            # dropout on and off (evaluation); seeds of 31 and 64 bits are different argument types
+            for p, seed in ([(spec.dropout, 1), (spec.dropout, 2**40), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
+                extra = blocks | (kern._dropout(p, seed) if p is not None else {})
+                o, lse = module.attention_forward(q, k, v, *tensors, **extra)
+                for input_grads in ([False, True] if kernel_plan.read_grads else [False]):
+                    grads = {"input_grads": True} if input_grads else {}
+                    module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **grads, **extra)
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+    unique: dict[str, _Launch] = {}
+    for launch in sink:
+        unique.setdefault(launch.key, launch)
+    return list(unique.values())
+
+
+# ------------------------------------------------------------------------------------------------ compiling
+
+_worker_modules: dict[str, types.ModuleType] = {}
+
+
+def _worker_init() -> None:
+    """Compiler processes run real Triton even when the parent runs the interpreter (TRITON_INTERPRET=1 makes
+    Triton's own library functions interpreted at import, which the compiler cannot use)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
+def _compile_job(module_path: str, module_name: str, launch: _Launch, arch: int) -> tuple[str, dict[str, bytes], int]:
+    """In a worker process: compile one recorded specialization; (Triton's hash, {file name: bytes}, shared bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = _worker_modules.get(module_path)
+    if module is None:
+        module = _worker_modules[module_path] = _import_compiled(module_name, Path(module_path), Path(module_path).read_text(encoding="utf-8"))
+    fn = getattr(module, launch.kernel)
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False
+        compiled = triton.compile(ASTSource(fn, launch.signature, launch.constexprs, launch.attrs),
+                                  target=GPUTarget("cuda", arch, 32), options=launch.options)
+    files = {}
+    for fname, fpath in compiled.metadata_group.items():
+        if fname.rsplit(".", 1)[-1] in KEEP_EXTENSIONS and not fname.startswith("__grp__"):
+            files[fname] = Path(fpath).read_bytes()
+    return compiled.hash, files, int(compiled.metadata.shared)
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; one line per step otherwise (CI logs)."""
+
+    def __init__(self, total: int, enabled: bool, stream=None):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.start = time.monotonic()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.start
+        if self.tty:
+            width = 24
+            filled = width * self.done // max(1, self.total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} kernels {elapsed:5.0f}s  {what[:60]:<60}")
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(f"[{self.done}/{self.total}] {what} ({elapsed:.0f}s)\n")
+        self.stream.flush()
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+@dataclass
+class _Job:
+    entry: dict
+    plan: object
+    source: str
+    launches: list = field(default_factory=list)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _plan_summary(p) -> dict:
+    return {
+        "loop_order": p.loop_order.value,
+        "forward": {"block_m": p.block_m, "block_n": p.block_n, "num_warps": p.num_warps, "num_stages": p.num_stages},
+        "backward_dkdv": {"block_m": p.bwd_block_m, "block_n": p.bwd_block_n, "num_warps": p.bwd_num_warps, "num_stages": p.bwd_num_stages},
+        "backward_dq": {"block_m": p.dq_block_m, "block_n": p.dq_block_n, "num_warps": p.dq_num_warps, "num_stages": p.dq_num_stages},
+    }
+
+
+def read_manifest(directory: Path) -> dict:
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BundleError(f"{directory} is not an attngen bundle: it has no {MANIFEST} (build one with `attngen build SPEC --target NAME -o DIR`)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BundleError(f"{path}: unreadable manifest ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("entries"), list):
+        raise BundleError(f"{path}: not a {FORMAT} manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    for entry in manifest["entries"]:
+        for fld in ("name", "target", "arch", "spec", "spec_hash", "module", "kernels"):
+            if not isinstance(entry, dict) or fld not in entry:
+                raise BundleError(f"{path}: an entry lacks {fld!r}")
+        for rel in [entry["module"]["path"]] + [f["path"] for k in entry["kernels"] for f in k["files"].values()]:
+            if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
+                raise BundleError(f"{path}: file path {rel!r} leaves the bundle directory")
+        if not _NAME.match(entry["name"]) or not _NAME.match(entry["target"].replace("-", "_")):
+            raise BundleError(f"{path}: bad entry name {entry['name']!r} / target {entry['target']!r}")
+    return manifest
+
+
+def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binaries: bool = True, progress: bool = True) -> dict:
+    """Build a bundle in `out_dir`: every spec (path, text or Spec) for every target name. Returns the
+    manifest. Everything is planned before anything is compiled, and the directory is replaced only when the
+    whole build succeeded (entries of an existing bundle in `out_dir` for other spec/target pairs are kept)."""
+    from . import __version__
+    from .canonical import format_spec
+    from .check import read_spec
+    from .errors import PlanError
+    from .plan import plan as make_plan
+    from .render import build_source, versions
+
+    out_dir = Path(out_dir)
+    spec_objs = [read_spec(s if not isinstance(s, str) or "{" in s else Path(s)) for s in specs]
+    names = [s.name for s in spec_objs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise BundleError(f"two specs are named {dup[0]!r}: a bundle holds one spec per name")
+    if not targets:
+        raise BundleError("no target: name at least one (--target h100; `attngen targets` lists them)")
+    work: list[_Job] = []
+    for spec in spec_objs:
+        for target in dict.fromkeys(targets):
+            try:
+                p = make_plan(spec, target)
+            except PlanError as err:
+                raise PlanError(f"{spec.filename or spec.name} for {target}: {err}") from None
+            if binaries and p.target.arch < 75:
+                raise BundleError(f"{spec.name} for {target}: Triton {versions()['triton']} compiles for compute capability 7.5 "
+                                  f"and newer; {p.target.full_name} is {p.target.arch / 10:.1f}")
+            _, source = build_source(p)
+            entry = {
+                "name": spec.name, "target": p.target.name, "arch": p.target.arch, "gpu": p.target.full_name,
+                "spec_hash": p.spec_hash, "spec": format_spec(spec), "plan": _plan_summary(p),
+                "module": {"path": f"{spec.name}_{p.target.name}.py", "sha256": _sha256(source.encode())},
+                "kernels": [],
+            }
+            work.append(_Job(entry, p, source))
+
+    old = None
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise BundleError(f"{out_dir} exists and is not a directory")
+        if (out_dir / MANIFEST).exists():
+            old = read_manifest(out_dir)
+        elif any(out_dir.iterdir()):
+            raise BundleError(f"{out_dir} exists and is not an attngen bundle (no {MANIFEST}); remove it or choose another -o")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
+    try:
+        for job in work:
+            path = staging / job.entry["module"]["path"]
+            path.write_text(job.source, encoding="utf-8")
+            if binaries:
+                module = _import_compiled(f"attngen_build_{job.entry['name']}_{job.entry['arch']}_{os.getpid()}", path, job.source)
+                job.launches = record_launches(job.plan, module, job.entry["arch"])
+        _compile_all(work, staging, jobs, progress)
+        entries = [j.entry for j in work]
+        if old is not None:  # keep the old bundle's other entries, files included
+            replaced = {(e["name"], e["target"]) for e in entries}
+            for e in old["entries"]:
+                if (e["name"], e["target"]) not in replaced:
+                    for rel in [e["module"]["path"]] + [f["path"] for k in e["kernels"] for f in k["files"].values()]:
+                        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(out_dir / rel, staging / rel)
+                    entries.append(e)
+        ver = versions()
+        manifest = {
+            "format": FORMAT,
+            "attngen": __version__, "triton": ver["triton"], "torch": ver["torch"],
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "entries": sorted(entries, key=lambda e: (e["name"], e["target"])),
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        _swap(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _compile_all(work: list[_Job], staging: Path, jobs: int | None, progress: bool) -> None:
+    """Compile every job's launches (in `jobs` worker processes) and write the files into `staging`."""
+    tasks = [(job, launch) for job in work for launch in job.launches]
+    if not tasks:
+        return
+    bar = _Progress(len(tasks), progress)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init) as pool:
+        futures = []
+        for job, launch in tasks:
+            module_path = str(staging / job.entry["module"]["path"])
+            futures.append(pool.submit(_compile_job, module_path, f"attngen_bundle_build_{job.entry['name']}", launch, job.entry["arch"]))
+        for (job, launch), future in zip(tasks, futures):
+            what = f"{job.entry['name']} for {job.entry['target']}: {launch.kernel}"
+            try:
+                triton_hash, files, shared = future.result()
+            except BrokenProcessPool:
+                raise BundleError(f"{what}: the compiler process died (an LLVM/ptxas crash for sm_{job.entry['arch']})") from None
+            except Exception as err:  # Triton's compile errors carry the kernel source position
+                raise BundleError(f"{what}: Triton could not compile it for sm_{job.entry['arch']}: {err}") from err
+            limit = job.plan.target.smem_per_block
+            if shared > limit:
+                raise BundleError(f"{what} needs {shared} bytes of shared memory; {job.plan.target.full_name} has {limit} per block "
+                                  f"(lower block_m / block_n in the spec)")
+            rel_dir = f"{job.entry['name']}_{job.entry['target']}/{launch.kernel}-{triton_hash[:16]}"
+            (staging / rel_dir).mkdir(parents=True, exist_ok=True)
+            entry_files = {}
+            for fname, data in sorted(files.items()):
+                (staging / rel_dir / fname).write_bytes(data)
+                entry_files[fname] = {"path": f"{rel_dir}/{fname}", "sha256": _sha256(data)}
+            job.entry["kernels"].append({
+                "kernel": launch.kernel, "key": launch.key, "triton_hash": triton_hash, "shared": shared,
+                "num_warps": launch.options["num_warps"], "num_stages": launch.options["num_stages"], "files": entry_files,
+            })
+            bar.step(what)
+
+
+def _swap(staging: Path, out_dir: Path) -> None:
+    """Put the finished bundle in place of `out_dir` (two renames; the old one is removed after)."""
+    if not out_dir.exists():
+        os.rename(staging, out_dir)
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    os.rename(out_dir, trash / "old")
+    os.rename(staging, out_dir)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+@dataclass
+class BundleStats:
+    """What a loaded bundle did: kernels launched from its binaries, and compiled just in time (misses)."""
+
+    loaded: int = 0
+    compiled: int = 0
+    misses: list = field(default_factory=list)
+
+
+@dataclass
+class BundleInfo:
+    path: Path
+    name: str
+    target: str
+    used: bool  # False: the bundle could not be used (reason) and the kernel was compiled just in time
+    reason: str | None
+    stats: BundleStats
+
+
+class _PrebuiltCompile:
+    """Replaces a JITFunction's `compile` (what its JIT calls on a cache miss): the bundle's binary for the
+    call's specialization, else (strict=False) Triton's compile."""
+
+    def __init__(self, where: str, binaries: dict, strict: bool, fallback, stats: BundleStats):
+        self.where, self.binaries, self.strict, self.fallback, self.stats = where, binaries, strict, fallback, stats
+
+    def __call__(self, src, target=None, options=None, **kwargs):
+        from triton.compiler import CompiledKernel
+
+        key = specialization_key(src, options or {})
+        found = self.binaries.get(key)
+        if found is None:
+            why = _describe_miss(key, list(self.binaries))
+            self.stats.misses.append(f"{src.name}: {why}")
+            msg = f"{self.where}: no prebuilt binary of {src.name} for this call ({why})"
+            if self.strict:
+                raise BundleError(msg + "; strict=True, so not compiling it")
+            warnings.warn(msg + "; compiling it just in time", BundleWarning, stacklevel=2)
+            self.stats.compiled += 1
+            return self.fallback(src, target=target, options=options, **kwargs)
+        triton_hash, files = found
+        self.stats.loaded += 1
+        return CompiledKernel(src, files, triton_hash)
+
+
+def _install(fn, binaries: dict, where: str, strict: bool, stats: BundleStats) -> None:
+    """Make `fn`'s JIT take binaries from the bundle, on the current device and on any device used later
+    (Triton sets `fn.compile` when it first sees a device)."""
+    from triton.runtime import driver
+
+    make_binder = fn.device_caches.default_factory
+
+    def binder_then_install():
+        entry = make_binder()  # sets fn.compile to Triton's compile
+        if not isinstance(fn.compile, _PrebuiltCompile):
+            fn.compile = _PrebuiltCompile(where, binaries, strict, fn.compile, stats)
+        return entry
+
+    fn.device_caches.default_factory = binder_then_install
+    fn.device_caches[driver.active.get_current_device()]  # noqa: B018  (creates the binder now)
+    if not isinstance(fn.compile, _PrebuiltCompile):
+        fn.compile = _PrebuiltCompile(where, binaries, strict, fn.compile, stats)
+
+
+def _verify_files(directory: Path, entry: dict) -> tuple[str | None, str | None]:
+    """(the module's text, None) if every file matches its digest, else (None, what is wrong)."""
+    files = [(entry["module"]["path"], entry["module"]["sha256"])]
+    files += [(f["path"], f["sha256"]) for k in entry["kernels"] for f in k["files"].values()]
+    text = None
+    for rel, digest in files:
+        try:
+            data = (directory / rel).read_bytes()
+        except OSError as err:
+            return None, f"{rel} is missing or unreadable ({err.strerror})"
+        if _sha256(data) != digest:
+            return None, f"{rel} does not match its sha256 in the manifest (modified or corrupted)"
+        if rel == entry["module"]["path"]:
+            text = data.decode("utf-8")
+    return text, None
+
+
+def _device_arch() -> tuple[int | None, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, "no CUDA device is visible"
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor, torch.cuda.get_device_name()
+
+
+def _choose(manifest: dict, directory: Path, name: str | None, spec_hash: str | None, arch: int | None, target: str | None) -> dict:
+    entries = manifest["entries"]
+    if spec_hash is not None:
+        entries = [e for e in entries if e["spec_hash"] == spec_hash]
+        if not entries:
+            raise LookupError(f"{directory} has no build of this spec (sha256 {spec_hash[:16]}); it holds "
+                              + ", ".join(sorted({e["name"] for e in manifest["entries"]})))
+    elif name is not None:
+        entries = [e for e in entries if e["name"] == name]
+        if not entries:
+            raise BundleError(f"{directory} has no spec named {name!r}; it holds " + ", ".join(sorted({e["name"] for e in manifest["entries"]})))
+    elif len({e["name"] for e in entries}) > 1:
+        raise BundleError(f"{directory} holds several specs ({', '.join(sorted({e['name'] for e in entries}))}): name one, "
+                          f"attngen.load(dir, name)")
+    if not entries:
+        raise BundleError(f"{directory} is an empty bundle")
+    if target is not None:
+        named = [e for e in entries if e["target"] == target.lower()]
+        if not named:
+            raise BundleError(f"{directory} has no build for target {target!r}; it has " + ", ".join(sorted({e["target"] for e in entries})))
+        return named[0]
+    # the live GPU's architecture, else the target the spec names, else the first
+    return next((e for e in entries if e["arch"] == arch), None) or next(
+        (e for e in entries if f"target = {e['target']}\n" in e["spec"]), entries[0])
+
+
+def load(directory, name: str | None = None, *, strict: bool = False, spec=None, target: str | None = None):
+    """The Kernel of bundle `directory` (built by `attngen build -o DIR`): spec `name` (needed when the
+    bundle holds several), or the entry of `spec` (used by attngen.compile(..., bundle=DIR)); the build for
+    `target` (a name), else the one for the live GPU's architecture. On a GPU
+    matching the build, the kernels launch the bundle's binaries with no compilation; otherwise (see the
+    module doc for the checks) a BundleWarning says why and the spec is compiled just in time, or, with
+    strict=True, BundleError is raised. `kernel.bundle` tells what happened."""
+    from . import runtime
+    from .canonical import spec_hash as hash_of
+    from .check import load_spec
+    from .plan import plan as make_plan
+    from .render import build_source, versions
+
+    directory = Path(directory).resolve()
+    manifest = read_manifest(directory)
+    arch, device = _device_arch()
+    wanted_hash = hash_of(spec) if spec is not None else None
+    try:
+        entry = _choose(manifest, directory, name, wanted_hash, arch, target)
+    except LookupError as err:  # compile(spec, bundle=...): the bundle lacks this spec
+        return _fallback(spec, target, directory, None, str(err), strict)
+    spec_obj = spec if spec is not None else load_spec(entry["spec"], f"{directory / MANIFEST} ({entry['name']})")
+    where = f"bundle {directory} ({entry['name']} for {entry['target']})"
+
+    text, reason = _verify_files(directory, entry)
+    kernel_plan = source = None
+    if reason is None and hash_of(spec_obj) != entry["spec_hash"]:
+        reason = "the manifest's spec text does not match its spec_hash"
+    if reason is None:
+        kernel_plan = make_plan(spec_obj, entry["target"])
+        _, source = build_source(kernel_plan)
+        if source != text:
+            reason = (f"this attngen {versions()['attngen']} / triton {versions()['triton']} generates a different module for the spec "
+                      f"than the bundle's (built by attngen {manifest['attngen']} / triton {manifest['triton']}); rebuild the bundle")
+    if reason is None and manifest["triton"] != versions()["triton"]:
+        reason = f"built for triton {manifest['triton']}, this is triton {versions()['triton']}"
+    if reason is None and arch is None:
+        reason = device
+    if reason is None and arch != entry["arch"]:
+        have = ", ".join(f"{e['target']} (sm_{e['arch']})" for e in manifest["entries"] if e["name"] == entry["name"])
+        reason = f"this GPU ({device}) is sm_{arch}; the bundle has {entry['name']} for {have}"
+    if reason is not None:  # compile just in time: for the live GPU if there is one, else for the bundle's target
+        return _fallback(spec_obj, target or ("auto" if arch is not None else entry["target"]), directory, entry, reason, strict)
+
+    module_path = directory / entry["module"]["path"]
+    with runtime._lock:
+        module = _import_compiled(f"attngen_bundle_{entry['name']}_{entry['target'].replace('-', '_')}_{entry['module']['sha256'][:12]}",
+                                  module_path, text)
+    stats = BundleStats()
+    jit = _kernels(module)
+    for fn_name in sorted({k["kernel"] for k in entry["kernels"]}):
+        if fn_name not in jit:
+            raise BundleError(f"{where}: the manifest lists kernel {fn_name!r}, which the module does not define")
+        binaries = {k["key"]: (k["triton_hash"], {fname: str(directory / f["path"]) for fname, f in k["files"].items()})
+                    for k in entry["kernels"] if k["kernel"] == fn_name}
+        _install(jit[fn_name], binaries, where, strict, stats)
+    for fn_name, fn in jit.items():  # kernels the build never saw launched: none today, but never compile silently
+        if fn_name not in {k["kernel"] for k in entry["kernels"]}:
+            _install(fn, {}, where, strict, stats)
+    kern = runtime.Kernel(spec_obj, kernel_plan, source, module_path, module)
+    kern.bundle = BundleInfo(directory, entry["name"], entry["target"], True, None, stats)
+    return kern
+
+
+def _fallback(spec, target, directory: Path, entry: dict | None, reason: str, strict: bool):
+    from . import runtime
+
+    where = f"bundle {directory}" + (f" ({entry['name']} for {entry['target']})" if entry else "")
+    if strict:
+        raise BundleError(f"{where} cannot be used: {reason} (strict=True)")
+    warnings.warn(f"{where} not used: {reason}; compiling just in time", BundleWarning, stacklevel=3)
+    kern = runtime.compile(spec, target)
+    kern.bundle = BundleInfo(directory, entry["name"] if entry else spec.name, entry["target"] if entry else str(target), False, reason, BundleStats())
+    return kern

@@ -1,0 +1,265 @@
+"""Ahead-of-time bundles (attngen build -o DIR / attngen.load): binaries for named GPUs built on this CPU
+machine, manifest and digests, and every way a load can refuse or fall back. The GPU half (the binaries
+launch with no compilation and give the JIT's outputs) is benchmarks/first_call.py on the H100."""
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import bundle
+from attngen.cli import main
+
+ROOT = Path(__file__).parent.parent
+EM_CUDA = 190  # ELF e_machine of NVIDIA cubins
+
+
+# fp16: the interpreter, which runs the fallbacks here, has no bf16 arithmetic (the H100 run uses bf16 specs)
+CAUSAL = "attention causal {\n    head_dim = 64\n    dtype = fp16\n    mask = q_idx >= kv_idx\n}\n"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A causal spec for the H100 and the A100, compiled once for this module (about 30 s on 2 cores)."""
+    root = tmp_path_factory.mktemp("bundle")
+    (root / "causal.attn").write_text(CAUSAL)
+    out = root / "causal"
+    manifest = bundle.build([root / "causal.attn"], ["h100", "a100"], out, jobs=2, progress=False)
+    return out, manifest
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "elsewhere" / "bundle"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _run_small(kern):
+    """A small forward + backward on CPU (interpreter), checked against the float64 reference."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, kern.spec.head_dim, generator=gen).half().requires_grad_() for _ in range(3))
+    o = kern(q, k, v)
+    ref = attngen.reference(kern.spec, q.double(), k.double(), v.double())
+    assert not torch.isnan(o).any()
+    assert (o.double() - ref).abs().max().item() < 4e-3  # fp16 output rounding (2^-11 relative) and fp16 P
+    o.sum().backward()
+    assert not torch.isnan(q.grad).any()
+
+
+def test_build_writes_cubins_for_each_target(built):
+    out, manifest = built
+    entries = {e["target"]: e for e in manifest["entries"]}
+    assert set(entries) == {"h100", "a100"}
+    for target, arch in (("h100", 90), ("a100", 80)):
+        e = entries[target]
+        assert e["arch"] == arch and e["name"] == "causal"
+        assert {k["kernel"] for k in e["kernels"]} == {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+        for k in e["kernels"]:
+            cubin = (out / k["files"][f"{k['kernel']}.cubin"]["path"]).read_bytes()
+            assert cubin[:4] == b"\x7fELF"
+            assert struct.unpack_from("<H", cubin, 18)[0] == EM_CUDA
+            assert struct.unpack_from("<I", cubin, 48)[0] & 0xFF == arch  # e_flags: the SM the code is for
+            meta = json.loads((out / k["files"][f"{k['kernel']}.json"]["path"]).read_text())
+            assert meta["target"] == {"backend": "cuda", "arch": arch, "warp_size": 32} and meta["name"] == k["kernel"]
+            assert meta["num_warps"] == k["num_warps"] and meta["shared"] == k["shared"]
+            limit = {"h100": 227 * 1024, "a100": 163 * 1024}[target]
+            assert 0 < meta["shared"] <= limit
+
+
+def test_manifest_validates(built, tmp_path):
+    """Relative paths, digests that match, a spec that parses back to its hash, a module that is what this
+    attngen renders for that spec and target."""
+    from attngen.canonical import spec_hash
+    from attngen.plan import plan
+    from attngen.render import build_source
+
+    out, _ = built
+    m = bundle.read_manifest(out)
+    assert m["format"] == bundle.FORMAT and m["triton"] == "3.6.0" and m["torch"] == torch.__version__
+    for e in m["entries"]:
+        text, reason = bundle._verify_files(out, e)
+        assert reason is None, reason
+        spec = attngen.load_spec(e["spec"], "manifest")
+        assert spec_hash(spec) == e["spec_hash"]
+        assert build_source(plan(spec, e["target"]))[1] == text
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    m["entries"][0]["module"]["path"] = "../outside.py"
+    (bad / bundle.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(attngen.BundleError, match="leaves the bundle directory"):
+        bundle.read_manifest(bad)
+    (bad / bundle.MANIFEST).write_text("{not json")
+    with pytest.raises(attngen.BundleError, match="unreadable manifest"):
+        attngen.load(bad)
+    with pytest.raises(attngen.BundleError, match="has no manifest.json"):
+        attngen.load(tmp_path)
+
+
+def test_a_copied_intact_bundle_checks_out_until_the_device(built, tmp_path):
+    """On this CPU machine every check passes except the last (a CUDA device): a warning says so and the spec
+    is compiled just in time (the interpreter), giving correct results; strict=True refuses."""
+    where = _copy(built[0], tmp_path)
+    with pytest.warns(attngen.BundleWarning, match="no CUDA device is visible; compiling just in time"):
+        kern = attngen.load(where)
+    assert kern.bundle.used is False and "no CUDA device" in kern.bundle.reason
+    _run_small(kern)
+    with pytest.raises(attngen.BundleError, match=r"cannot be used: no CUDA device is visible \(strict=True\)"):
+        attngen.load(where, strict=True)
+
+
+def test_tampered_binary_is_caught_by_its_digest(built, tmp_path):
+    where = _copy(built[0], tmp_path)
+    e = next(e for e in bundle.read_manifest(where)["entries"] if e["target"] == "h100")
+    cubin = where / next(f["path"] for k in e["kernels"] for n, f in k["files"].items() if n.endswith(".cubin"))
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    cubin.write_bytes(bytes(data))
+    rel = cubin.relative_to(where).as_posix()
+    with pytest.raises(attngen.BundleError, match=f"{rel} does not match its sha256"):
+        attngen.load(where, target="h100", strict=True)
+    with pytest.warns(attngen.BundleWarning, match="does not match its sha256"):
+        kern = attngen.load(where, target="h100")
+    _run_small(kern)  # the fallback compiles the spec itself, not the bundle's files
+    cubin.unlink()
+    with pytest.raises(attngen.BundleError, match="is missing or unreadable"):
+        attngen.load(where, target="h100", strict=True)
+
+
+def test_version_and_generator_mismatches_fall_back(built, tmp_path):
+    where = _copy(built[0], tmp_path)
+    path = where / bundle.MANIFEST
+    m = json.loads(path.read_text())
+    m["triton"] = "9.9.9"
+    path.write_text(json.dumps(m))
+    with pytest.raises(attngen.BundleError, match="built for triton 9.9.9, this is triton 3.6.0"):
+        attngen.load(where, strict=True)
+    # a module another attngen generated (its digest updated too): the rendering check catches it
+    m["triton"] = "3.6.0"
+    for e in m["entries"]:
+        mod = where / e["module"]["path"]
+        text = mod.read_text() + "# edited\n"
+        mod.write_text(text)
+        e["module"]["sha256"] = bundle._sha256(text.encode())
+    path.write_text(json.dumps(m))
+    with pytest.raises(attngen.BundleError, match="generates a different module for the spec"):
+        attngen.load(where, strict=True)
+
+
+def test_compile_with_bundle_picks_the_spec_by_content(built, tmp_path):
+    where = _copy(built[0], tmp_path)
+    with pytest.raises(attngen.BundleError, match="no CUDA device"):  # found (by hash), then the device check
+        attngen.compile(CAUSAL, bundle=where, strict=True)
+    with pytest.raises(attngen.BundleError, match=r"has no build of this spec \(sha256 [0-9a-f]{16}\); it holds causal"):
+        attngen.compile(ROOT / "specs" / "dense.attn", "h100", bundle=where, strict=True)
+    with pytest.warns(attngen.BundleWarning, match="has no build of this spec"):
+        kern = attngen.compile(ROOT / "specs" / "dense.attn", "h100", bundle=where)
+    assert kern.spec.name == "dense" and kern.bundle.used is False
+
+
+def test_the_bundle_lookup_returns_the_bundles_binary(built, tmp_path):
+    """What the H100 does on a first call, minus the launch: Triton's JIT specializes the call and asks its
+    kernel's `compile` for a binary; the bundle's lookup answers with the bundle's cubin, and a specialization
+    the bundle lacks is refused (strict) naming the argument, or compiled (not strict)."""
+    out, _ = built
+    m = bundle.read_manifest(out)
+    e = next(e for e in m["entries"] if e["target"] == "h100")
+    spec = attngen.load_spec(e["spec"], "manifest")
+    from attngen.plan import plan
+
+    module = bundle._import_compiled("test_bundle_lookup", out / e["module"]["path"], (out / e["module"]["path"]).read_text())
+    launches = bundle.record_launches(plan(spec, "h100"), module, 90)
+    assert {launch.key for launch in launches} == {k["key"] for k in e["kernels"]}
+    from triton.compiler import ASTSource
+
+    stats = bundle.BundleStats()
+    for launch in launches:
+        k = next(k for k in e["kernels"] if k["key"] == launch.key)
+        binaries = {k["key"]: (k["triton_hash"], {n: str(out / f["path"]) for n, f in k["files"].items()})}
+        fn = getattr(module, launch.kernel)
+        lookup = bundle._PrebuiltCompile("test", binaries, True, None, stats)
+        compiled = lookup(ASTSource(fn, launch.signature, launch.constexprs, launch.attrs), options=launch.options)
+        assert compiled.asm["cubin"] == (out / k["files"][f"{launch.kernel}.cubin"]["path"]).read_bytes()
+        # the same kernel called with a row stride not divisible by 16 (e.g. a sliced tensor): another binary
+        attrs = {path: a for path, a in launch.attrs.items() if path != (list(launch.signature).index("stride_qm"),)}
+        with pytest.raises(attngen.BundleError, match=r"no prebuilt binary of _attn_\w+ for this call \(differs in stride_qm: not known divisible by 16 in this call, "
+                                                        r"divisible by 16 in the bundle\); strict=True"):
+            lookup(ASTSource(fn, launch.signature, launch.constexprs, attrs), options=launch.options)
+        fallback = bundle._PrebuiltCompile("test", binaries, False, lambda src, **kw: "jit", stats)
+        with pytest.warns(attngen.BundleWarning, match="compiling it just in time"):
+            assert fallback(ASTSource(fn, launch.signature, launch.constexprs, attrs), options=launch.options) == "jit"
+    assert stats.loaded == len(launches) and stats.compiled == len(launches)
+
+
+@pytest.mark.parametrize("spec, flags", [
+    ("causal_dropout.attn", {"DROPOUT": {True, False}}),
+    ("relative_bias.attn", {"INPUT_GRADS": {True, False}}),
+    ("block_sparse_runtime.attn", {}),
+    ("document.attn", {}),
+])
+def test_recording_covers_every_flag_the_spec_implies(spec, flags):
+    """The specializations a build compiles (no compiling here): each kernel of the module, and both values of
+    the flags the launchers set (dropout on/off, input gradients on/off); none depends on the sequence length,
+    head count or seed value (they are not specialized), so three sequence lengths give few binaries."""
+    from attngen.check import read_spec
+    from attngen.plan import plan
+    from attngen.render import build_source
+
+    p = plan(read_spec(ROOT / "specs" / spec), "h100")
+    _, source = build_source(p)
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / f"{spec}.py"
+    path.write_text(source)
+    module = bundle._import_compiled(f"test_record_{path.stem.replace('.', '_')}", path, source)
+    launches = bundle.record_launches(p, module, 90)
+    kernels = {launch.kernel for launch in launches}
+    assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= kernels
+    if p.spec.inputs and any(d.dtype.startswith("int") and len(d.dims) > 1 for d in p.spec.inputs):
+        assert "_input_bounds" in kernels  # the pre-pass of an input-dependent mask
+    for flag, values in flags.items():
+        seen = {json.loads(launch.key)["constants"].get(flag) for launch in launches if launch.kernel != "_input_bounds"}
+        assert {repr(v) for v in values} <= seen
+    for launch in launches:
+        sig = launch.signature
+        for name in ("q_len", "kv_len", "num_heads", "group_size"):
+            assert sig.get(name, "i32") == "i32"
+    assert len(launches) <= 12
+
+
+def test_build_refuses_what_cannot_run_on_the_target(tmp_path):
+    with pytest.raises(attngen.PlanError, match="causal.attn for t4: .*bf16 needs compute capability 8.0"):
+        bundle.build([ROOT / "specs" / "causal.attn"], ["t4"], tmp_path / "o", progress=False)
+    fp16 = "attention old { head_dim = 64\n dtype = fp16\n mask = q_idx >= kv_idx }"
+    with pytest.raises(attngen.BundleError, match="compiles for compute capability 7.5 and newer; NVIDIA V100 SXM2 is 7.0"):
+        bundle.build([fp16], ["v100"], tmp_path / "o", progress=False)
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(attngen.BundleError, match="exists and is not an attngen bundle"):
+        bundle.build([ROOT / "specs" / "dense.attn"], ["h100"], tmp_path / "mine", binaries=False, progress=False)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_building_into_a_bundle_keeps_its_other_entries(built, tmp_path):
+    where = _copy(built[0], tmp_path)
+    bundle.build([ROOT / "specs" / "dense.attn"], ["h100"], where, binaries=False, progress=False)
+    m = bundle.read_manifest(where)
+    assert sorted((e["name"], e["target"]) for e in m["entries"]) == [("causal", "a100"), ("causal", "h100"), ("dense", "h100")]
+    for e in m["entries"]:
+        assert bundle._verify_files(where, e)[1] is None
+    assert not [p for p in where.parent.iterdir() if p.name.startswith(".")]  # no staging or old copies left behind
+    with pytest.raises(attngen.BundleError, match="holds several specs"):
+        attngen.load(where)
+    with pytest.warns(attngen.BundleWarning):
+        assert attngen.load(where, "dense").spec.name == "dense"
+
+
+def test_cli_build_prints_what_it_wrote(tmp_path, capsys):
+    assert main(["build", str(ROOT / "specs" / "dense.attn"), "--target", "h100", "-o", str(tmp_path / "b"), "--no-binaries", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'b' / 'dense_h100.py'}" in out and "no binaries (--no-binaries)" in out
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["dense_h100.py", "manifest.json"]
+
