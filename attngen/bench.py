@@ -243,8 +243,10 @@ def format_table(rows: list[dict], ceiling: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: str | None = None, progress=print) -> list[dict]:
-    """The CLI's work: compile each spec for the live GPU, time every configuration, print the table."""
+def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: str | None = None, head_dims: list[int] | None = None,
+        progress=print) -> list[dict]:
+    """The CLI's work: compile each spec for the live GPU (for each of `head_dims`, if given, instead of the spec's
+    own; named SPEC_dD), time every configuration, print the table."""
     from .check import read_spec
     from .runtime import compile as compile_spec
 
@@ -252,13 +254,17 @@ def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: 
         raise RuntimeError("attngen bench needs a CUDA GPU (timings of Triton's interpreter mean nothing)")
     rows = []
     for path in paths:
-        spec = read_spec(path)
+        base = read_spec(path)
         if dtype:
-            spec = replace(spec, dtype=DType(dtype))
-        kernel = compile_spec(spec)
-        for seq in seqs:
-            progress(f"[bench] {spec.name} N={seq} ...")
-            rows.append(bench_spec(kernel, seq))
+            base = replace(base, dtype=DType(dtype))
+        for d in head_dims or [None]:
+            if d is not None and not 16 <= d <= 256:
+                raise RuntimeError(f"--head-dim {d}: head_dim must be in 16..256")
+            spec = base if d is None else replace(base, head_dim=d, name=f"{base.name}_d{d}")
+            kernel = compile_spec(spec)
+            for seq in seqs:
+                progress(f"[bench] {spec.name} N={seq} ...")
+                rows.append(bench_spec(kernel, seq))
     ceiling = matmul_tflops()
     progress(f"\n{versions()}")
     progress(format_table(rows, ceiling))

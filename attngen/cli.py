@@ -108,7 +108,7 @@ def cmd_bench(args) -> int:
     from .bench import run
 
     try:
-        run(args.spec, args.seq, json_path=args.json, dtype=args.dtype)
+        run(args.spec, args.seq, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim)
     except RuntimeError as err:
         print(f"attngen bench: {err}", file=sys.stderr)
         return 1
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("spec", nargs="+")
     p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths (B = 16384 // N tokens per batch)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None, help="override the spec's dtype")
+    p.add_argument("--head-dim", type=int, nargs="+", default=None, help="run each spec at these head dims instead of its own (e.g. 64 128)")
     p.add_argument("--json", default=None, help="also write every measurement to this file")
     p.set_defaults(func=cmd_bench)
 

@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--name", default=None)
     ap.add_argument("--spec-text", default=None)
     ap.add_argument("--save", default=None)
+    ap.add_argument("--only", nargs="+", default=None, help="these specs of the bundle only")
+    ap.add_argument("--modes", nargs="+", default=["bundle", "jit", "jit-warm", "flex"], help="which first calls to time")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.bundle, args.name, args.spec_text, args.save)))
@@ -161,7 +163,7 @@ def main() -> None:
 
     manifest = read_manifest(Path(args.bundle))
     major, minor = torch.cuda.get_device_capability()
-    entries = [e for e in manifest["entries"] if e["arch"] == major * 10 + minor]
+    entries = [e for e in manifest["entries"] if e["arch"] == major * 10 + minor and (not args.only or e["name"] in args.only)]
     print(f"bundle {args.bundle}: built {manifest['created']} with attngen {manifest['attngen']}, triton {manifest['triton']}, "
           f"torch {manifest['torch']}; here torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows = []
@@ -170,12 +172,16 @@ def main() -> None:
         name, spec_text = e["name"], e["spec"]
         fresh = lambda tag: {"TRITON_CACHE_DIR": str(work / f"{name}-{tag}-triton"), "ATTNGEN_CACHE_DIR": str(work / f"{name}-{tag}-attngen"),  # noqa: E731
                              "TORCHINDUCTOR_CACHE_DIR": str(work / f"{name}-{tag}-inductor")}
-        res = {"bundle": run_child("bundle", args, name, spec_text, fresh("bundle"), str(work / f"{name}-bundle.pt")),
-               "jit": run_child("jit", args, name, spec_text, fresh("jit"), str(work / f"{name}-jit.pt"))}
-        res["jit-warm"] = run_child("jit-warm", args, name, spec_text, fresh("jit") | {"ATTNGEN_CACHE_DIR": str(work / f"{name}-jit2-attngen")}, None)
-        if "input " not in spec_text and "dropout" not in spec_text and "sparsity = runtime" not in spec_text:
+        res = {}
+        if "bundle" in args.modes:
+            res["bundle"] = run_child("bundle", args, name, spec_text, fresh("bundle"), str(work / f"{name}-bundle.pt"))
+        if "jit" in args.modes:
+            res["jit"] = run_child("jit", args, name, spec_text, fresh("jit"), str(work / f"{name}-jit.pt"))
+        if "jit-warm" in args.modes:
+            res["jit-warm"] = run_child("jit-warm", args, name, spec_text, fresh("jit") | {"ATTNGEN_CACHE_DIR": str(work / f"{name}-jit2-attngen")}, None)
+        if "flex" in args.modes and "input " not in spec_text and "dropout" not in spec_text and "sparsity = runtime" not in spec_text:
             res["flex"] = run_child("flex", args, name, spec_text, fresh("flex"), None)
-        if "error" not in res["bundle"] and "error" not in res["jit"]:
+        if "error" not in res.get("bundle", {"error": 1}) and "error" not in res.get("jit", {"error": 1}):
             a, b = torch.load(work / f"{name}-bundle.pt"), torch.load(work / f"{name}-jit.pt")
             same = torch.equal(a["o"], b["o"]) and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
             res["bundle"]["identical_to_jit"] = same
@@ -193,7 +199,7 @@ def main() -> None:
             continue
         total = r["create_s"] + r["first_fwd_s"] + r["first_bwd_s"]
         note = ""
-        if r["mode"] == "bundle":
+        if r["mode"] == "bundle" and "identical_to_jit" in r:
             note = (f"loaded {r['binaries_loaded']} binaries; {'bit-identical to JIT' if r.get('identical_to_jit') else 'diff vs JIT %.3g' % r.get('max_diff_vs_jit', float('nan'))}; "
                     f"reference {r['reference_checks']}, compiles after checks {r['triton_compiles_after_checks']}")
         print(f"{r['spec']:<22}{r['mode']:<10}{r['import_s']:8.2f}{r['create_s']:8.2f}{r['first_fwd_s']:9.2f}{r['first_bwd_s']:9.2f}{total:8.2f}"
