@@ -332,8 +332,10 @@ def _load(name: str, key: str, source: str, cache_dir: Path | None = None) -> Mo
 
 def dropout_mask(seed: int, dropout_p: float, batch: int, heads: int, q_len: int, kv_len: int, device="cpu") -> torch.Tensor:
     """The exact keep mask (bool, batch x heads x q_len x kv_len; heads = query heads) that every attngen kernel
-    with dropout uses for this seed and probability: Philox of (seed, b, h, q_idx, kv_idx), the same for every
-    spec, tiling and loop order. Kept probabilities are scaled by 1 / (1 - dropout_p)."""
+    with dropout uses for this seed and probability, the same for every spec, tiling and loop order: pair
+    (b, h, q_idx, kv_idx) is kept iff uint_to_uniform_float(r[kv_idx % 4]) >= dropout_p, where r[0..3] are the
+    outputs of Philox-4x32-10 with the counters (q_idx, kv_idx // 4, b * heads + h, 0) and the seed as key.
+    Kept probabilities are scaled by 1 / (1 - dropout_p)."""
     if not 0.0 <= dropout_p < 1.0:
         raise InputError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
     device = torch.device(device)

@@ -6,6 +6,7 @@ CPU runs go through Triton's interpreter in fp32 and fp16; `pytest --device cuda
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,7 +47,7 @@ VARIANTS = {
     "relative_table_grad_kv_outer": "attention v { head_dim = 32 loop_order = kv_outer input rel: fp32[H, N] mask = q_idx - kv_idx < 30 score = score + rel[h, q_idx - kv_idx + 20] * 0.5 }",
     "bucketed_table_grad": "attention v { head_dim = 32 input rel: fp32[3, 9] input bucket: int32[N] score = score + rel[h % 3, bucket[abs(q_idx - kv_idx)] % 9] block_m = 16 block_n = 16 }",
     "head_temperature_grad": "attention v { head_dim = 32 input temp: fp32[H] input tab: fp32[3, N] mask = q_idx >= kv_idx score = score * temp[h] + tab[1, kv_idx] - tab[2, 5] }",
-    # dropout: the kernels' pattern (Philox of seed, b, h, q_idx, kv_idx) against the reference using attngen.dropout_mask
+    # dropout: the kernels' pattern (Philox of seed, b, h, q_idx, kv_idx // 4; output kv_idx % 4) against the reference using attngen.dropout_mask
     "dropout_causal_tiles_16": "attention v { head_dim = 32 dropout = 0.25 mask = q_idx >= kv_idx block_m = 16 block_n = 16 }",
     "dropout_kv_outer_padding": "attention v { head_dim = 32 dropout = 0.1 loop_order = kv_outer input lens: int32[B] mask = kv_idx < lens[b] }",
     "dropout_document_bias_grad": "attention v { head_dim = 32 dropout = 0.2 input doc: int32[B, N] input slopes: fp32[H] mask = doc[b, q_idx] == doc[b, kv_idx] score = score - slopes[h] * abs(q_idx - kv_idx) block_m = 16 block_n = 16 }",
@@ -232,6 +233,82 @@ def test_dropout_pattern_is_a_pure_function_of_the_indices(device):
     many = attngen.dropout_mask(9, 0.1, 1, 2, 128, 128, device)  # 32768 pairs
     assert abs(many.float().mean().item() - 0.9) < 0.01
     assert torch.equal(attngen.dropout_mask(9, 0.0, 1, 2, 16, 16, device), torch.ones(1, 2, 16, 16, dtype=torch.bool, device=device))
+
+
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def _philox4x32_10(c0, c1, c2, c3, seed: int):
+    """Philox-4x32-10 (Salmon et al., SC'11) in numpy uint64 arithmetic, independent of Triton: counters
+    (c0, c1, c2, c3), key (k0, k1) = (low, high 32 bits of the seed), as tl.random.philox splits it. Each round:
+    c0, c1, c2, c3 = hi(B c2) ^ c1 ^ k0, lo(B c2), hi(A c0) ^ c3 ^ k1, lo(A c0), then the key is bumped."""
+    A, B, KEY_A, KEY_B = (np.uint64(x) for x in (0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85))
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & _M32 for c in (c0, c1, c2, c3))
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    for _ in range(10):
+        pb, pa = B * c2, A * c0  # 32 x 32 -> 64 bits: exact in uint64
+        c0, c1, c2, c3 = (pb >> np.uint64(32)) ^ c1 ^ k0, pb & _M32, (pa >> np.uint64(32)) ^ c3 ^ k1, pa & _M32
+        k0, k1 = (k0 + KEY_A) & _M32, (k1 + KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def _uint_to_uniform_float(r):
+    """tl.random.uint_to_uniform_float of uint32: read as int32, negatives x -> -x - 1, times 4.6566127342e-10 in
+    float32 (so [0, 1))."""
+    x = np.asarray(r, dtype=np.uint64).astype(np.uint32).view(np.int32).astype(np.int64)
+    x = np.where(x < 0, -x - 1, x)
+    return x.astype(np.float32) * np.float32(4.6566127342e-10)
+
+
+def test_dropout_philox_reference_matches_published_vectors():
+    """The numpy Philox above against Random123's known-answer vectors (kat_vectors, philox4x32 10)."""
+    cases = [((0, 0, 0, 0), 0, (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, 2**64 - 1, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0x299F31D0 << 32) | 0xA4093822,
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counters, seed, expected in cases:
+        assert tuple(int(x) for x in _philox4x32_10(*counters, seed)) == expected
+
+
+def _documented_uniforms(seed: int, B: int, H: int, Nq: int, Nk: int, lanes=True):
+    """The uniform number of every pair (B, H, Nq, Nk) as the dropout pattern is documented: output kv_idx % 4 of
+    Philox-4x32-10 with the counters (q_idx, kv_idx // 4, b * H + h, 0) and the seed as key (lanes=False: output
+    0 for every key, to show that the test tells them apart)."""
+    b, h, q_idx, kv_idx = np.meshgrid(*(np.arange(n, dtype=np.uint64) for n in (B, H, Nq, Nk)), indexing="ij")
+    outputs = _philox4x32_10(q_idx, kv_idx // np.uint64(4), b * np.uint64(H) + h, np.zeros_like(q_idx), seed)
+    lane = (kv_idx % np.uint64(4)).astype(np.intp) if lanes else np.zeros(kv_idx.shape, dtype=np.intp)
+    return _uint_to_uniform_float(np.choose(lane, outputs))
+
+
+def test_dropout_mask_is_its_documented_definition(device, target):
+    """attngen.dropout_mask against the documented pattern, computed in numpy: pair (b, h, q_idx, kv_idx) is kept
+    iff uint_to_uniform_float(r[kv_idx % 4]) >= p, r = Philox-4x32-10 with the counters (q_idx, kv_idx // 4,
+    b * H + h, 0) and the seed as key. The seed is above 2**32, so both key words matter; then a kernel's forward
+    and backward with that seed against the float64 reference (which uses dropout_mask), without NaN."""
+    B, H, Nq, Nk = 2, 3, 37, 45
+    seed = 0x2545F4914F6CDD1D
+    uniform = _documented_uniforms(seed, B, H, Nq, Nk)
+    for p in (0.3, 0.75):
+        expected = uniform >= np.float32(p)  # dropout_p reaches the kernels as float32
+        got = attngen.dropout_mask(seed, p, B, H, Nq, Nk, device).cpu().numpy()
+        assert got.shape == expected.shape and np.array_equal(got, expected)
+        assert abs(expected.mean() - (1 - p)) < 0.02
+    # the check tells patterns apart: the low key word alone, or output 0 for every key, differs in > 20% of pairs
+    for other in (_documented_uniforms(seed & 0xFFFFFFFF, B, H, Nq, Nk), _documented_uniforms(seed, B, H, Nq, Nk, lanes=False)):
+        assert ((other >= np.float32(0.3)) != (uniform >= np.float32(0.3))).mean() > 0.2
+
+    kern = _compile(load_spec("attention t { head_dim = 32 dropout = 0.3 mask = q_idx >= kv_idx block_m = 16 block_n = 16 }"), "fp32", target)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, do = (_rand(2, 3, Nq if i in (0, 3) else Nk, 32, device=device, dtype=torch.float32, gen=gen) for i in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = kern(*leaves, seed=seed)
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    ref = attngen.reference(kern.spec, *wide, dtype=torch.float64, dropout_p=0.3, seed=seed)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert not torch.isnan(got).any()
+        assert (got.double() - want).abs().max().item() < 1e-4
 
 
 def test_dropout_is_the_same_for_every_tiling_and_loop_order(device, target):
