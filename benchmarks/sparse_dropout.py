@@ -105,6 +105,7 @@ def _total(r: dict) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", choices=("sparse", "dropout"), default=None, help="one of the two tables")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
@@ -112,8 +113,8 @@ def main():
         t.requires_grad_()
     dense = attngen.compile(f"attention dense {{ head_dim = {D} dtype = bf16 }}")
     dense_ms = time_fwd_bwd(lambda q, k, v: dense(q, k, v), q, k, v, do)
-    sparse = sparse_table(q, k, v, do, dense_ms)
-    drop = dropout_table(q, k, v, do)
+    sparse = sparse_table(q, k, v, do, dense_ms) if args.only != "dropout" else []
+    drop = dropout_table(q, k, v, do) if args.only != "sparse" else []
     print(f"\n{versions()}; B={B} H={H} N={N} d={D} bf16; dense attngen {dense_ms[0]:.2f} / {dense_ms[1]:.2f} ms")
     print("block-sparse (random 128x128 blocks, diagonal kept): ms fwd / bwd; 'vs flex' = Flex time / attngen time;"
           " 'time/s·dense' = attngen over kept x dense (target <= 1.15)")
