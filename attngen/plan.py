@@ -241,8 +241,13 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
 
     # fp32 products (input_precision="ieee") feed P to the second product through shared memory; 16-bit P stays in
     # registers. Measured on the H100: fp32 at d=64 with 3 stages needed 246016 bytes where Q + 3 K/V stages are 212992.
+    # Dropout: the keep tile is built as 4 interleaved Philox outputs, and putting it in the score tile's layout
+    # goes through shared memory, one byte per pair (measured on the H100: 128x128 tiles at d=128 needed 245760
+    # bytes with 3 stages, 16384 more than without dropout, over the 232448 limit).
+    dropout_bytes = (lambda bm, bn: bm * bn) if spec.dropout > 0.0 else (lambda bm, bn: 0)
+
     def smem_use(bm: int, bn: int) -> tuple[int, int]:
-        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0), 2 * bn * dp * isz
+        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0) + dropout_bytes(bm, bn), 2 * bn * dp * isz
 
     q_bytes, stage_bytes = smem_use(bm, bn)
     while (smem - q_bytes) // stage_bytes < 1 and max(bm, bn) > MIN_TILE and not (spec.block_m or spec.block_n):
@@ -261,7 +266,8 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
             f"{tgt.full_name} has {smem} per block (lower block_m / block_n)"
         )
     stages_c = min(MAX_STAGES, stages)
-    steps.append(Step("forward num_stages", f"min({MAX_STAGES}, (smem - Q tile{' - P tile' if spec.dtype is DType.FP32 else ''} {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages_c}"))
+    extra = (" - P tile" if spec.dtype is DType.FP32 else "") + (" - keep tile" if spec.dropout > 0.0 else "")
+    steps.append(Step("forward num_stages", f"min({MAX_STAGES}, (smem - Q tile{extra} {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages_c}"))
 
     # Backward, dK/dV kernel: dK and dV accumulators (2 x BN x d_pad fp32) plus the transposed score and dP tiles.
     bwd_warps = 8 if dp >= 64 else 4
@@ -287,6 +293,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         qbm //= 2
     steps.append(Step("backward dQ tiles", f"(BM*d_pad + 2*BM*BN) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_M={qbm}, BLOCK_N={qbn}"))
     resident = 2 * kbn * dp * isz + (2 * kbn * max(kbm, qbn) * 4 if spec.dtype is DType.FP32 else 0)  # fp32: P and dS via smem
+    resident += max(4 * kbm * kbn, qbm * qbn) if spec.dropout > 0.0 else 0  # the keep tile's conversion (dK/dV: float32 Z)
     bwd_stage = 2 * kbm * dp * isz
     bwd_stages = max(1, min(MAX_STAGES, (smem - resident) // bwd_stage))
     steps.append(Step("backward num_stages", f"min({MAX_STAGES}, (smem - K,V{' - P,dS' if spec.dtype is DType.FP32 else ''} {resident}) // (Q+dO stage {bwd_stage}))", f"{bwd_stages}"))
