@@ -598,7 +598,7 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
     arch, device = _device_arch()
     wanted_hash = hash_of(spec) if spec is not None else None
     try:
-        entry = _choose(manifest, directory, name, wanted_hash, arch, target)
+        entry = _choose(manifest, directory, name, wanted_hash, arch, None if target in (None, "auto") else target)
     except LookupError as err:  # compile(spec, bundle=...): the bundle lacks this spec
         return _fallback(spec, target, directory, None, str(err), strict)
     spec_obj = spec if spec is not None else load_spec(entry["spec"], f"{directory / MANIFEST} ({entry['name']})")

@@ -152,6 +152,8 @@ def test_compile_with_bundle_picks_the_spec_by_content(built, tmp_path):
     where = _copy(built[0], tmp_path)
     with pytest.raises(attngen.BundleError, match="no CUDA device"):  # found (by hash), then the device check
         attngen.compile(CAUSAL, bundle=where, strict=True)
+    with pytest.raises(attngen.BundleError, match="no CUDA device"):  # target="auto" picks by the device, as no target
+        attngen.compile(CAUSAL, "auto", bundle=where, strict=True)
     with pytest.raises(attngen.BundleError, match=r"has no build of this spec \(sha256 [0-9a-f]{16}\); it holds causal"):
         attngen.compile(ROOT / "specs" / "dense.attn", "h100", bundle=where, strict=True)
     with pytest.warns(attngen.BundleWarning, match="has no build of this spec"):
