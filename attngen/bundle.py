@@ -250,11 +250,9 @@ def _compile_job(module_path: str, module_name: str, launch: _Launch, arch: int)
     module = _worker_modules.get(module_path)
     if module is None:
         module = _worker_modules[module_path] = _import_compiled(module_name, Path(module_path), Path(module_path).read_text(encoding="utf-8"))
-    fn = getattr(module, launch.kernel)
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = False
-        compiled = triton.compile(ASTSource(fn, launch.signature, launch.constexprs, launch.attrs),
-                                  target=GPUTarget("cuda", arch, 32), options=launch.options)
+    fn = getattr(module, launch.kernel)  # a real JITFunction: _worker_init turned the interpreter off
+    compiled = triton.compile(ASTSource(fn, launch.signature, launch.constexprs, launch.attrs),
+                              target=GPUTarget("cuda", arch, 32), options=launch.options)
     files = {}
     for fname, fpath in compiled.metadata_group.items():
         if fname.rsplit(".", 1)[-1] in KEEP_EXTENSIONS and not fname.startswith("__grp__"):
@@ -301,6 +299,12 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _entry_files(entry: dict) -> list[tuple[str, str]]:
+    """(relative path, sha256) of every file of a manifest entry: its module, then its kernels' files."""
+    return [(entry["module"]["path"], entry["module"]["sha256"])] + [
+        (f["path"], f["sha256"]) for k in entry["kernels"] for f in k["files"].values()]
+
+
 def _plan_summary(p) -> dict:
     return {
         "loop_order": p.loop_order.value,
@@ -324,7 +328,7 @@ def read_manifest(directory: Path) -> dict:
         for fld in ("name", "target", "arch", "spec", "spec_hash", "module", "kernels"):
             if not isinstance(entry, dict) or fld not in entry:
                 raise BundleError(f"{path}: an entry lacks {fld!r}")
-        for rel in [entry["module"]["path"]] + [f["path"] for k in entry["kernels"] for f in k["files"].values()]:
+        for rel, _ in _entry_files(entry):
             if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
                 raise BundleError(f"{path}: file path {rel!r} leaves the bundle directory")
         if not _NAME.match(entry["name"]) or not _NAME.match(entry["target"].replace("-", "_")):
@@ -344,7 +348,7 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
     from .render import build_source, versions
 
     out_dir = Path(out_dir)
-    spec_objs = [read_spec(s if not isinstance(s, str) or "{" in s else Path(s)) for s in specs]
+    spec_objs = [read_spec(s) for s in specs]
     names = [s.name for s in spec_objs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -393,7 +397,7 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
             replaced = {(e["name"], e["target"]) for e in entries}
             for e in old["entries"]:
                 if (e["name"], e["target"]) not in replaced:
-                    for rel in [e["module"]["path"]] + [f["path"] for k in e["kernels"] for f in k["files"].values()]:
+                    for rel, _ in _entry_files(e):
                         (staging / rel).parent.mkdir(parents=True, exist_ok=True)
                         shutil.copy2(out_dir / rel, staging / rel)
                     entries.append(e)
@@ -523,17 +527,14 @@ def _install(fn, binaries: dict, where: str, strict: bool, stats: BundleStats) -
         return entry
 
     fn.device_caches.default_factory = binder_then_install
-    fn.device_caches[driver.active.get_current_device()]  # noqa: B018  (creates the binder now)
-    if not isinstance(fn.compile, _PrebuiltCompile):
-        fn.compile = _PrebuiltCompile(where, binaries, strict, fn.compile, stats)
+    fn.device_caches[driver.active.get_current_device()]  # noqa: B018  (a fresh module: creates the binder, installs)
+    assert isinstance(fn.compile, _PrebuiltCompile), "the kernel had run before the bundle was installed"
 
 
 def _verify_files(directory: Path, entry: dict) -> tuple[str | None, str | None]:
     """(the module's text, None) if every file matches its digest, else (None, what is wrong)."""
-    files = [(entry["module"]["path"], entry["module"]["sha256"])]
-    files += [(f["path"], f["sha256"]) for k in entry["kernels"] for f in k["files"].values()]
     text = None
-    for rel, digest in files:
+    for rel, digest in _entry_files(entry):
         try:
             data = (directory / rel).read_bytes()
         except OSError as err:
@@ -630,15 +631,13 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
                                   module_path, text)
     stats = BundleStats()
     jit = _kernels(module)
-    for fn_name in sorted({k["kernel"] for k in entry["kernels"]}):
-        if fn_name not in jit:
-            raise BundleError(f"{where}: the manifest lists kernel {fn_name!r}, which the module does not define")
+    unknown = sorted({k["kernel"] for k in entry["kernels"]} - set(jit))
+    if unknown:
+        raise BundleError(f"{where}: the manifest lists kernel {unknown[0]!r}, which the module does not define")
+    for fn_name, fn in jit.items():  # a kernel the build never saw launched gets no binaries: never compiled silently
         binaries = {k["key"]: (k["triton_hash"], {fname: str(directory / f["path"]) for fname, f in k["files"].items()})
                     for k in entry["kernels"] if k["kernel"] == fn_name}
-        _install(jit[fn_name], binaries, where, strict, stats)
-    for fn_name, fn in jit.items():  # kernels the build never saw launched: none today, but never compile silently
-        if fn_name not in {k["kernel"] for k in entry["kernels"]}:
-            _install(fn, {}, where, strict, stats)
+        _install(fn, binaries, where, strict, stats)
     kern = runtime.Kernel(spec_obj, kernel_plan, source, module_path, module)
     kern.bundle = BundleInfo(directory, entry["name"], entry["target"], True, None, stats)
     return kern

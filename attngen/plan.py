@@ -244,10 +244,10 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     # Dropout: the keep tile is built as 4 interleaved Philox outputs, and putting it in the score tile's layout
     # goes through shared memory, one byte per pair (measured on the H100: 128x128 tiles at d=128 needed 245760
     # bytes with 3 stages, 16384 more than without dropout, over the 232448 limit).
-    dropout_bytes = (lambda bm, bn: bm * bn) if spec.dropout > 0.0 else (lambda bm, bn: 0)
+    keep_bytes = 1 if spec.dropout > 0.0 else 0
 
     def smem_use(bm: int, bn: int) -> tuple[int, int]:
-        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0) + dropout_bytes(bm, bn), 2 * bn * dp * isz
+        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0) + bm * bn * keep_bytes, 2 * bn * dp * isz
 
     q_bytes, stage_bytes = smem_use(bm, bn)
     while (smem - q_bytes) // stage_bytes < 1 and max(bm, bn) > MIN_TILE and not (spec.block_m or spec.block_n):
