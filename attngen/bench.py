@@ -22,6 +22,7 @@ from .expr import SCORE_VARS, Scope, variables
 from .naive import evaluate, reference
 from .plan import effective_mask
 from .spec import Binary, DType, Spec, Var
+from .tune import describe
 
 CHECK_TOLERANCE = 3e-2  # max |out - reference| accepted before timing (bf16 outputs of unit-variance inputs)
 _flex = None
@@ -67,6 +68,7 @@ def measure(name: str, fn, q, k, v, do, error_of, fwd_flop: float) -> dict:
         out = fn(q, k, v)
         err = error_of(out)
         assert err < CHECK_TOLERANCE and not torch.isnan(out).any(), f"{name}: max error {err} against the reference"
+        torch.autograd.grad(out, (q, k, v), do)  # first backward outside the timing (compilation, `auto` tuning)
         t_fwd, t_bwd = time_fwd_bwd(fn, q, k, v, do)
         return {"fwd_ms": t_fwd, "bwd_ms": t_bwd, "max_err": err,
                 "fwd_tflops": fwd_flop / t_fwd * 1e-9, "bwd_tflops": 2.5 * fwd_flop / t_bwd * 1e-9}
@@ -163,14 +165,11 @@ def _slice_inputs(spec: Spec, inputs: dict, heads: int) -> dict:
     return out
 
 
-def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0) -> dict:
-    """One configuration: B = tokens // seq, H = width // head_dim, every provider that expresses the spec."""
-    from torch.nn.attention import SDPBackend
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def make_case(spec: Spec, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0):
+    """Random CUDA inputs of one configuration, B = tokens // seq, H = width // head_dim: (q, k, v requiring grad,
+    dO, the spec's inputs, the call's other keywords (block_mask, dropout))."""
     from . import verify
 
-    spec = kernel.spec
     d = spec.head_dim
     batch, heads = max(1, tokens // seq), max(1, width // d)
     dtype = verify._TORCH[spec.dtype.value]
@@ -183,6 +182,20 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
     extra = {"block_mask": block_mask_arg} if block_mask_arg is not None else {}
     if spec.dropout:
         extra["dropout_p"], extra["seed"] = spec.dropout, 1234
+    return q, k, v, do, inputs, extra
+
+
+def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0, derived=None) -> dict:
+    """One configuration: B = tokens // seq, H = width // head_dim, every provider that expresses the spec.
+    `derived`: the same spec with the plan's own tiles, timed beside a kernel whose tiles are tuned."""
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    spec = kernel.spec
+    d = spec.head_dim
+    q, k, v, do, inputs, extra = make_case(spec, seq, tokens, width, seed)
+    batch, heads = q.shape[:2]
+    block_mask_arg = extra.get("block_mask")
     kept = kept_fraction(spec, inputs, batch, heads, seq, seq, "cuda", block_mask_arg)
     fwd_flop = 4 * batch * heads * seq * seq * d * kept
     small = _slice_inputs(spec, inputs, 2)
@@ -195,6 +208,8 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
         return (out[:1, :2].float() - want).abs().max().item()
 
     providers = {"attngen": lambda q, k, v: kernel(q, k, v, **extra, **inputs)}
+    if derived is not None:
+        providers["derived"] = lambda q, k, v: derived(q, k, v, **extra, **inputs)
     row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dtype": spec.dtype.value, "kept": kept}
     if not spec.dropout and spec.sparsity != "runtime":
         mask_mod, score_mod = flex_mods(spec, inputs, seq, seq)
@@ -216,11 +231,14 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
     return row
 
 
-PROVIDERS = ("attngen", "flex", "sdpa_flash", "sdpa_cudnn")
+PROVIDERS = ("attngen", "derived", "flex", "sdpa_flash", "sdpa_cudnn")
 
 
 def format_table(rows: list[dict], ceiling: float | None = None) -> str:
-    """TFLOP/s forward / backward per provider, and attngen's speed over FlexAttention's and cuDNN's."""
+    """TFLOP/s forward / backward per provider, and attngen's speed over FlexAttention's and cuDNN's (and over
+    the plan's derived tiles, when attngen's are tuned)."""
+    providers = [p for p in PROVIDERS if any(p in row for row in rows)]
+    derived = "derived" in providers
     def cell(r):
         return f"{r['fwd_tflops']:5.0f} /{r['bwd_tflops']:5.0f}" if "fwd_tflops" in r else ("failed" if "error" in r else "-")
 
@@ -230,29 +248,37 @@ def format_table(rows: list[dict], ceiling: float | None = None) -> str:
             return f"{a['fwd_tflops'] / b['fwd_tflops']:.2f}/{a['bwd_tflops'] / b['bwd_tflops']:.2f}"
         return "-"
 
-    head = f"{'config':<34}" + "".join(f"{p:>14}" for p in PROVIDERS) + f"{'vs flex':>12}{'vs cudnn':>12}"
+    head = f"{'config':<34}" + "".join(f"{p:>14}" for p in providers) + f"{'vs flex':>12}{'vs cudnn':>12}" + (f"{'vs derived':>12}" if derived else "")
     lines = ["TFLOP/s forward / backward (kept pairs only)" + (f"; bf16 8192^3 matmul {ceiling:.0f}" if ceiling else ""), head]
     for row in rows:
         name = f"{row['spec']} d={row['d']} N={row['N']} {row['dtype']}"
-        lines.append(f"{name:<34}" + "".join(f"{cell(row.get(p, {})):>14}" for p in PROVIDERS)
-                     + f"{ratio(row, 'flex'):>12}{ratio(row, 'sdpa_cudnn'):>12}")
+        lines.append(f"{name:<34}" + "".join(f"{cell(row.get(p, {})):>14}" for p in providers)
+                     + f"{ratio(row, 'flex'):>12}{ratio(row, 'sdpa_cudnn'):>12}" + (f"{ratio(row, 'derived'):>12}" if derived else ""))
     for row in rows:
-        for p in PROVIDERS:
+        for name, entry in sorted(row.get("tuned", {}).items()):
+            lines.append(f"  {row['spec']} N={row['N']} tuned {name.split()[0]}: {describe(entry['tiles'])} "
+                         f"({entry['derived_ms'] / entry['tuned_ms']:.2f}x the derived tiles in the tuner's timing, {entry['tried']} tried)")
+    for row in rows:
+        for p in providers:
             if "error" in row.get(p, {}):
                 lines.append(f"  {row['spec']} N={row['N']} {p}: {row[p]['error']}")
     return "\n".join(lines)
 
 
-def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: str | None = None, head_dims: list[int] | None = None,
-        progress=print) -> list[dict]:
-    """The CLI's work: compile each spec for the live GPU (for each of `head_dims`, if given, instead of the spec's
-    own; named SPEC_dD), time every configuration, print the table."""
+def tuned(spec: Spec) -> Spec:
+    """The spec with block_m, block_n, num_warps and num_stages = auto (measured per shape: attngen/tune.py)."""
+    from .check import TUNABLE
+
+    return replace(spec, tune=frozenset(TUNABLE), **{key: None for key in TUNABLE})
+
+
+def _gpu_specs(paths: list[str], dtype: str | None, head_dims: list[int] | None):
+    """The specs of the GPU commands: each file's spec (with `dtype` if given), or one per head dim in `head_dims`
+    (named SPEC_dD). Checks first that a GPU is visible."""
     from .check import read_spec
-    from .runtime import compile as compile_spec
 
     if not torch.cuda.is_available():
-        raise RuntimeError("attngen bench needs a CUDA GPU (timings of Triton's interpreter mean nothing)")
-    rows = []
+        raise RuntimeError("needs a CUDA GPU (timings of Triton's interpreter mean nothing)")
     for path in paths:
         base = read_spec(path)
         if dtype:
@@ -260,11 +286,28 @@ def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: 
         for d in head_dims or [None]:
             if d is not None and not 16 <= d <= 256:
                 raise RuntimeError(f"--head-dim {d}: head_dim must be in 16..256")
-            spec = base if d is None else replace(base, head_dim=d, name=f"{base.name}_d{d}")
-            kernel = compile_spec(spec)
-            for seq in seqs:
-                progress(f"[bench] {spec.name} N={seq} ...")
-                rows.append(bench_spec(kernel, seq))
+            yield base if d is None else replace(base, head_dim=d, name=f"{base.name}_d{d}")
+
+
+def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: str | None = None, head_dims: list[int] | None = None,
+        tune: bool = False, progress=print) -> list[dict]:
+    """The CLI's work: compile each spec for the live GPU (for each of `head_dims`, if given, instead of the spec's
+    own; named SPEC_dD), time every configuration, print the table. `tune`: attngen's tiles are tuned (every
+    key auto), and the plan's derived tiles are timed beside them."""
+    from .runtime import compile as compile_spec
+
+    rows = []
+    for spec in _gpu_specs(paths, dtype, head_dims):
+        kernel = compile_spec(tuned(spec) if tune else spec)
+        derived = compile_spec(replace(spec, tune=frozenset())) if tune else None
+        for seq in seqs:
+            progress(f"[bench] {spec.name} N={seq} ...")
+            row = bench_spec(kernel, seq, derived=derived)
+            if tune:
+                row["tuned"] = {name: entry for name, entry in kernel.tuner.entries.items()
+                                if f" q{1 << (seq - 1).bit_length()} " in name}
+            rows.append(row)
+            progress("\n".join(format_table([row]).splitlines()[2:]))  # this row now: a run cut off keeps it
     ceiling = matmul_tflops()
     progress(f"\n{versions()}")
     progress(format_table(rows, ceiling))
@@ -272,4 +315,37 @@ def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: 
         from .cache import write_atomic
 
         write_atomic(Path(json_path), json.dumps({"versions": versions(), "matmul_tflops": ceiling, "rows": rows}, indent=1))
+    return rows
+
+
+def tune_report(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: str | None = None,
+                head_dims: list[int] | None = None, progress=print) -> list[dict]:
+    """`attngen tune`: tune each spec (every key auto) at each length on the live GPU, filling the tuning cache,
+    and print the derived against the tuned configuration as the tuner timed them."""
+    from .runtime import compile as compile_spec
+
+    rows = []
+    for spec in _gpu_specs(paths, dtype, head_dims):
+        kernel = compile_spec(tuned(spec))
+        for seq in seqs:
+            progress(f"[tune] {spec.name} N={seq} ...")
+            q, k, v, do, inputs, extra = make_case(spec, seq)
+            torch.autograd.grad(kernel(q, k, v, **extra, **inputs), (q, k, v), do)
+            wanted = f" q{1 << (seq - 1).bit_length()} "
+            row = {"spec": spec.name, "N": seq, "B": q.shape[0], "H": q.shape[1], "d": spec.head_dim, "dtype": spec.dtype.value,
+                   "derived": kernel.plan.tiles(), "entries": {n: e for n, e in kernel.tuner.entries.items() if wanted in n}}
+            rows.append(row)
+    lines = [f"\n{versions()}", f"{'config':<34}{'fwd derived -> tuned ms':>26}{'bwd derived -> tuned ms':>26}  tuned tiles"]
+    for row in rows:
+        cells, tiles = [], []
+        for phase in ("fwd", "bwd"):
+            e = next((e for n, e in row["entries"].items() if n.startswith(phase + " ")), None)
+            cells.append(f"{e['derived_ms']:.3f} -> {e['tuned_ms']:.3f} ({e['derived_ms'] / e['tuned_ms']:.2f}x)" if e else "-")
+            tiles.append(describe(e["tiles"]) if e else "-")
+        lines.append(f"{row['spec'] + ' N=' + str(row['N']):<34}{cells[0]:>26}{cells[1]:>26}  {'; '.join(tiles)}")
+    progress("\n".join(lines))
+    if json_path:
+        from .cache import write_atomic
+
+        write_atomic(Path(json_path), json.dumps({"versions": versions(), "rows": rows}, indent=1))
     return rows

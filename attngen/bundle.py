@@ -639,6 +639,7 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
                     for k in entry["kernels"] if k["kernel"] == fn_name}
         _install(fn, binaries, where, strict, stats)
     kern = runtime.Kernel(spec_obj, kernel_plan, source, module_path, module)
+    kern.tuner = None  # `auto` tiles are not tuned from a bundle: it holds the derived tiles' binaries, others would compile
     kern.bundle = BundleInfo(directory, entry["name"], entry["target"], True, None, stats)
     return kern
 

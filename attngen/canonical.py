@@ -22,8 +22,8 @@ def format_spec(spec: Spec) -> str:
         lines.append(f"    sparse_block = {spec.sparse_block}")
     lines.append(f"    loop_order = {spec.loop_order.value}")
     lines.append(f"    target = {spec.target}")
-    for key in ("block_m", "block_n"):
-        val = getattr(spec, key)
+    for key in ("block_m", "block_n", "num_warps", "num_stages"):
+        val = "auto" if key in spec.tune else getattr(spec, key)
         if val is not None:
             lines.append(f"    {key} = {val}")
     for decl in spec.inputs:

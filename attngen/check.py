@@ -26,7 +26,11 @@ SETTINGS = (
     "target",
     "block_m",
     "block_n",
+    "num_warps",
+    "num_stages",
 )
+# Settings that may say `auto`: measured on the GPU (attngen/tune.py) rather than derived from the target.
+TUNABLE = ("block_m", "block_n", "num_warps", "num_stages")
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 # Names an input may not take: language words, kernel arguments and the call's own keywords.
@@ -35,7 +39,7 @@ RESERVED = (
     | set(ex.VAR_TYPES)
     | set(ex.FUNCTIONS)
     | {"true", "false", "True", "False", "input", "attention", "auto", "none", "runtime"}
-    | {"q", "k", "v", "o", "do", "lse", "return_lse", "dropout_p", "seed", "block_mask", "tl", "triton", "torch"}
+    | {"q", "k", "v", "o", "do", "lse", "return_lse", "dropout_p", "seed", "block_mask", "tiles", "tl", "triton", "torch"}
 )
 
 
@@ -72,7 +76,8 @@ def _int_setting(s: Setting, lo: int, hi: int, *, allow_auto: bool = False, powe
     if not lo <= n <= hi:
         raise SpecError(f"{s.key} = {n} is out of range; expected {lo}..{hi}", s.value.span)
     if power_of_two and n & (n - 1):
-        raise SpecError(f"{s.key} = {n} must be a power of two (Triton's tl.arange needs one)", s.value.span)
+        why = "Triton's tl.arange needs one" if s.key.startswith("block") else "Triton requires it"
+        raise SpecError(f"{s.key} = {n} must be a power of two ({why})", s.value.span)
     return n
 
 
@@ -157,9 +162,13 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
         values["loop_order"] = LoopOrder(_choice(seen["loop_order"], tuple(o.value for o in LoopOrder)))
     if "target" in seen:
         values["target"] = _choice(seen["target"], ("auto",) + tuple(TARGETS))
-    for key in ("block_m", "block_n"):
+    tune = set()
+    for key, lo, hi, pow2 in (("block_m", 16, 256, True), ("block_n", 16, 256, True), ("num_warps", 1, 16, True), ("num_stages", 1, 8, False)):
         if key in seen:
-            values[key] = _int_setting(seen[key], 16, 256, allow_auto=True, power_of_two=True)
+            values[key] = _int_setting(seen[key], lo, hi, allow_auto=True, power_of_two=pow2)
+            if values[key] is None:
+                tune.add(key)
+    values["tune"] = frozenset(tune)
 
     if "mask" in seen:
         scope = ex.Scope("mask", ex.MASK_VARS, inputs)

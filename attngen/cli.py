@@ -1,4 +1,4 @@
-"""attngen build | plan | targets | check | bench. Spec errors print file:line:col with a caret and exit 2."""
+"""attngen build | plan | targets | check | bench | tune. Spec errors print file:line:col with a caret and exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -104,13 +104,17 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
-def cmd_bench(args) -> int:
-    from .bench import run
+def cmd_gpu(args) -> int:
+    """attngen bench / attngen tune: exit 1 with the reason when they cannot run (no GPU, a bad --head-dim)."""
+    from . import bench
 
     try:
-        run(args.spec, args.seq, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim)
+        if args.command == "bench":
+            bench.run(args.spec, args.seq, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim, tune=args.tune)
+        else:
+            bench.tune_report(args.spec, args.seq, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim)
     except RuntimeError as err:
-        print(f"attngen bench: {err}", file=sys.stderr)
+        print(f"attngen {args.command}: {err}", file=sys.stderr)
         return 1
     return 0
 
@@ -147,13 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="only the three smallest shapes")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("bench", help="time the kernels against FlexAttention and torch SDPA on this GPU")
-    p.add_argument("spec", nargs="+")
-    p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths (B = 16384 // N tokens per batch)")
-    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None, help="override the spec's dtype")
-    p.add_argument("--head-dim", type=int, nargs="+", default=None, help="run each spec at these head dims instead of its own (e.g. 64 128)")
-    p.add_argument("--json", default=None, help="also write every measurement to this file")
-    p.set_defaults(func=cmd_bench)
+    for name, help_text in (("bench", "time the kernels against FlexAttention and torch SDPA on this GPU"),
+                            ("tune", "tune the tiles of specs on this GPU (every key auto), fill the tuning cache, print derived vs tuned")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("spec", nargs="+")
+        p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths (B = 16384 // N tokens per batch)")
+        p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None, help="override the spec's dtype")
+        p.add_argument("--head-dim", type=int, nargs="+", default=None, help="run each spec at these head dims instead of its own (e.g. 64 128)")
+        p.add_argument("--json", default=None, help="also write the results to this file")
+        if name == "bench":
+            p.add_argument("--tune", action="store_true", help="tune attngen's tiles (every key auto) and time the derived tiles beside them")
+        p.set_defaults(func=cmd_gpu)
 
     args = parser.parse_args(argv)
     try:

@@ -124,6 +124,23 @@ class KernelPlan:
         """Every tile size the forward and backward kernels use (powers of two)."""
         return (self.block_m, self.block_n, self.bwd_block_m, self.bwd_block_n, self.dq_block_m, self.dq_block_n)
 
+    def tiles(self) -> dict[str, dict[str, int]]:
+        """The launch configuration of each kernel (the generated module's TILES): its tile sides and options."""
+        return {
+            "fwd": {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages},
+            "dkdv": {"BLOCK_M": self.bwd_block_m, "BLOCK_N": self.bwd_block_n, "num_warps": self.bwd_num_warps, "num_stages": self.bwd_num_stages},
+            "dq": {"BLOCK_M": self.dq_block_m, "BLOCK_N": self.dq_block_n, "num_warps": self.dq_num_warps, "num_stages": self.dq_num_stages},
+        }
+
+    @property
+    def tile_limits(self) -> tuple[int, int]:
+        """The smallest and largest tile side the generated kernels accept: the plan's own tiles, or with tuning
+        every side the tuner may try (it never leaves [MIN_TILE, MAX_TILE], nor a sparse block)."""
+        if not self.spec.tune:
+            return min(self.tile_sizes), max(self.tile_sizes)
+        hi = MAX_TILE if self.spec.sparsity is None else min(MAX_TILE, self.spec.sparse_block)
+        return MIN_TILE, hi
+
     @property
     def may_mask_rows(self) -> bool:
         """Whether a query row may have kept no key at some step (so the kernels need their 0/0 and -inf
@@ -144,6 +161,9 @@ class KernelPlan:
         width = max(len(s.what) for s in self.steps)
         for s in self.steps:
             lines.append(f"  {s.what:<{width}}  {s.formula}  =>  {s.value}")
+        if self.spec.tune:
+            lines += ["", f"tuned on the GPU (auto): {', '.join(sorted(self.spec.tune))}, in every kernel, from the values below, once per "
+                          f"shape bucket (attngen/tune.py; `attngen tune` reports derived against tuned)"]
         lines += [
             "",
             f"forward  ({self.loop_order.value}): BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} num_stages={self.num_stages}",
@@ -222,9 +242,17 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     if spec.block_n is not None:
         steps.append(Step("BLOCK_N override", "spec: block_n", f"{spec.block_n}"))
         bn = spec.block_n
+    elif tgt.arch >= 90 and dp == 64 and spec.dtype is not DType.FP32 and bn > 64:
+        # `attngen tune` on the H100 (BENCHMARKS.md, session 5): at d=64 in bf16 the forward with 64-key tiles was
+        # 1.09x (causal) and 1.10x (dense) faster than with 128 at N=4096
+        steps.append(Step("BLOCK_N, measured", "best of attngen tune at d=64, 16-bit, sm_90", f"{bn} -> 64"))
+        bn = 64
 
     warps = 8 if bm >= 128 or dp >= 256 else 4
     steps.append(Step("num_warps", "8 if BLOCK_M >= 128 or d_pad >= 256 else 4", f"{warps}"))
+    if spec.num_warps is not None:
+        steps.append(Step("num_warps override", "spec: num_warps", f"{spec.num_warps}"))
+        warps = spec.num_warps
     # Live in registers per program: acc (BM x d_pad fp32), the score tile (BM x BN fp32) and the query tile.
     while True:
         live = bm * dp + bm * bn + bm * dp * isz // 4
@@ -268,6 +296,9 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     stages_c = min(MAX_STAGES, stages)
     extra = (" - P tile" if spec.dtype is DType.FP32 else "") + (" - keep tile" if spec.dropout > 0.0 else "")
     steps.append(Step("forward num_stages", f"min({MAX_STAGES}, (smem - Q tile{extra} {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages_c}"))
+    if spec.num_stages is not None:
+        steps.append(Step("num_stages override", "spec: num_stages", f"{spec.num_stages}"))
+        stages_c = spec.num_stages
 
     # Backward, dK/dV kernel: dK and dV accumulators (2 x BN x d_pad fp32) plus the transposed score and dP tiles.
     bwd_warps = 8 if dp >= 64 else 4
@@ -292,6 +323,10 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     while _regs(qbm * dp + 2 * qbm * qbn, bwd_warps) > REG_BUDGET and qbm > MIN_TILE:
         qbm //= 2
     steps.append(Step("backward dQ tiles", f"(BM*d_pad + 2*BM*BN) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_M={qbm}, BLOCK_N={qbn}"))
+    # as the forward: two warp groups for 128-row query tiles. `attngen tune` on the H100 moved d=64's 64-row dQ
+    # tiles from 8 warps to 4: the whole backward 1.31x (dense) and 1.33x (causal) faster at N=4096
+    dq_warps = 8 if qbm >= 128 or dp >= 256 else 4
+    steps.append(Step("backward dQ num_warps", "8 if BLOCK_M >= 128 or d_pad >= 256 else 4", f"{dq_warps}"))
     resident = 2 * kbn * dp * isz + (2 * kbn * max(kbm, qbn) * 4 if spec.dtype is DType.FP32 else 0)  # fp32: P and dS via smem
     resident += max(4 * kbm * kbn, qbm * qbn) if spec.dropout > 0.0 else 0  # the keep tile's conversion (dK/dV: float32 Z)
     bwd_stage = 2 * kbm * dp * isz
@@ -330,7 +365,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         dq_block_n=qbn,
         bwd_num_warps=dkdv_warps,
         bwd_num_stages=bwd_stages,
-        dq_num_warps=bwd_warps,
+        dq_num_warps=dq_warps,
         dq_num_stages=bwd_stages,
         mask=mask,
         score=score,

@@ -159,8 +159,8 @@ def context(plan: KernelPlan) -> dict:
         "dq": dq,
         "tile_class": tile_class,
         # the input pre-pass summarizes chunks of the smallest tile size; the largest tile spans tile_span chunks
-        "tile_chunk": min(plan.tile_sizes),
-        "tile_span": max(plan.tile_sizes) // min(plan.tile_sizes),
+        "tile_chunk": plan.tile_limits[0],
+        "tile_span": plan.tile_limits[1] // plan.tile_limits[0],
     }
 
 

@@ -21,6 +21,8 @@ from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
 from .render import build_dropout_source, build_source
 from .spec import Index, Spec, Var
+from .tune import Tuner
+from .tune import bucket as tune_bucket
 
 _TORCH_DTYPES = {
     "bool": torch.bool,
@@ -67,6 +69,8 @@ class Kernel:
         self.path = path
         self.module = module
         self._direct_indices = _direct_indices(spec)
+        # `auto` tiles (attngen/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
+        self.tuner = Tuner(kernel_plan, source) if spec.tune else None
 
     def __repr__(self) -> str:
         return f"<attngen.Kernel {self.spec.name} target={self.plan.target.name} file={self.path}>"
@@ -181,6 +185,18 @@ class Kernel:
         return {"dropout_p": float(p), "seed": seed}
 
 
+    def _tiles(self, phase: str, dims: _Dims, flags: tuple[str, ...], device: torch.device, run) -> dict:
+        """The launchers' tiles= keyword for this call: {} (the plan's tiles) unless the spec tunes (then from the
+        tuning cache, or measured now by timing run(tiles)). The interpreter is not timed unless a test gave the
+        tuner a timer."""
+        if self.tuner is None or (device.type != "cuda" and self.tuner.timer is None):
+            return {}
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        name = tune_bucket(phase, gpu, dims.batch * dims.heads, dims.q_len, dims.kv_len, dims.heads // dims.kv_heads, flags)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        return {"tiles": self.tuner.tiles(phase, name, run, sync)}
+
+
 def _check_device(device: torch.device) -> None:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise InputError("CPU tensors run through Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or use CUDA tensors")
@@ -211,7 +227,9 @@ class _AttentionFunction(torch.autograd.Function):
             o = q.new_zeros(q.shape)
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         else:
-            o, lse = kernel.module.attention_forward(q, k, v, *inputs, **extra)
+            flags = ("dropout",) if extra.get("dropout_p") else ()
+            tiles = kernel._tiles("fwd", dims, flags, q.device, lambda t: kernel.module.attention_forward(q, k, v, *inputs, **extra, tiles=t))
+            o, lse = kernel.module.attention_forward(q, k, v, *inputs, **extra, **tiles)
         ctx.kernel = kernel
         ctx.extra = extra
         ctx.dims = dims
@@ -227,15 +245,21 @@ class _AttentionFunction(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(o)
         wanted = ctx.needs_input_grad[6:]
-        if not any(wanted):
-            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.extra)
-            return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
         reads = ctx.kernel.plan.read_grads
+        extra = dict(ctx.extra)
+        if any(wanted) and reads:
+            extra["input_grads"] = True
+        flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
+        backward = ctx.kernel.module.attention_backward
+        extra |= ctx.kernel._tiles("bwd", dims, flags, q.device, lambda t: backward(q, k, v, o, lse, do, dlse, *inputs, **extra, tiles=t))
+        if not any(wanted):
+            dq, dk, dv = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)
+            return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
         terms = []
         if reads:
-            dq, dk, dv, terms = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, input_grads=True, **ctx.extra)
+            dq, dk, dv, terms = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)
         else:
-            dq, dk, dv = ctx.kernel.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **ctx.extra)
+            dq, dk, dv = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)
         grads = _reduce_input_grads(ctx.kernel.spec, dims, dict(zip((d.name for d in ctx.kernel.spec.inputs), inputs)), reads, terms)
         return (None, None, None, dq, dk, dv) + tuple(grads.get(d.name) if w else None for d, w in zip(ctx.kernel.spec.inputs, wanted))
 

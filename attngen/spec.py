@@ -136,8 +136,13 @@ class Spec:
     sparse_block: int = 128
     loop_order: LoopOrder = LoopOrder.Q_OUTER
     target: str = "auto"
+    # Tiles and launch options of the forward kernel: an int fixes the value; None derives it from the target
+    # (attngen/plan.py). A key in `tune` was written `auto`: measured per shape on the GPU (attngen/tune.py).
     block_m: int | None = None
     block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    tune: frozenset[str] = frozenset()
     inputs: tuple[InputDecl, ...] = ()
     # Where the spec came from (for error messages); not part of its meaning.
     text: str | None = field(default=None, compare=False, repr=False)

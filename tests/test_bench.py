@@ -59,3 +59,18 @@ def test_bench_needs_a_gpu(capsys):
         pytest.skip("this machine has a GPU: the command would run the benchmark")
     assert main(["bench", str(ROOT / "specs" / "causal.attn"), "--seq", "128"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_tune_needs_a_gpu_and_bench_tune_times_the_derived_tiles_beside(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the command would tune")
+    assert main(["tune", str(ROOT / "specs" / "causal.attn"), "--seq", "128"]) == 1
+    assert "attngen tune: needs a CUDA GPU" in capsys.readouterr().err
+    spec = bench.tuned(load_spec((ROOT / "specs" / "causal.attn").read_text(), "causal"))
+    assert spec.tune == {"block_m", "block_n", "num_warps", "num_stages"} and spec.block_m is None
+    row = {"spec": "causal", "d": 128, "N": 4096, "dtype": "bf16",
+           "attngen": {"fwd_tflops": 400.0, "bwd_tflops": 300.0}, "derived": {"fwd_tflops": 200.0, "bwd_tflops": 300.0},
+           "tuned": {"fwd x": {"tiles": {"fwd": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
+                               "derived_ms": 2.0, "tuned_ms": 1.0, "tried": 9}}}
+    table = bench.format_table([row])
+    assert "vs derived" in table and "2.00/1.00" in table and "tuned fwd: fwd 128x64 w8 s3 (2.00x" in table

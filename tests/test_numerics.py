@@ -56,6 +56,8 @@ VARIANTS = {
     "runtime_blocks_32_tiles_16_window": "attention v { head_dim = 32 sparsity = runtime sparse_block = 32 block_m = 16 block_n = 16 mask = q_idx - kv_idx < 50 and kv_idx - q_idx < 50 }",
     "runtime_blocks_kv_outer_document": "attention v { head_dim = 32 loop_order = kv_outer sparsity = runtime sparse_block = 16 input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] }",
     "runtime_blocks_dropout_bias_grad": "attention v { head_dim = 32 dropout = 0.2 sparsity = runtime sparse_block = 32 input kb: fp32[B, N] score = score + kb[b, kv_idx] }",
+    # inputs named like the launchers' own variables (they are passed as in_NAME, so nothing is shadowed)
+    "inputs_named_like_launcher_variables": "attention v { head_dim = 32 input batch: int32[B] input grid: fp32[H] mask = kv_idx < batch[b] score = score + grid[h] }",
     "softcap_bottom_right_tiles_16": "attention v { head_dim = 32 mask = q_idx + kv_len - q_len >= kv_idx score = 10.0 * tanh(score / 10.0) block_m = 16 block_n = 32 }",
 }
 
