@@ -22,7 +22,7 @@ from .expr import SCORE_VARS, Scope, variables
 from .naive import evaluate, reference
 from .plan import effective_mask
 from .spec import Binary, DType, Spec, Var
-from .tune import describe
+from .tune import describe, entries_at
 
 CHECK_TOLERANCE = 3e-2  # max |out - reference| accepted before timing (bf16 outputs of unit-variance inputs)
 _flex = None
@@ -304,8 +304,7 @@ def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: 
             progress(f"[bench] {spec.name} N={seq} ...")
             row = bench_spec(kernel, seq, derived=derived)
             if tune:
-                row["tuned"] = {name: entry for name, entry in kernel.tuner.entries.items()
-                                if f" q{1 << (seq - 1).bit_length()} " in name}
+                row["tuned"] = entries_at(kernel.tuner.entries, seq)
             rows.append(row)
             progress("\n".join(format_table([row]).splitlines()[2:]))  # this row now: a run cut off keeps it
     ceiling = matmul_tflops()
@@ -331,9 +330,8 @@ def tune_report(paths: list[str], seqs: list[int], json_path: str | None = None,
             progress(f"[tune] {spec.name} N={seq} ...")
             q, k, v, do, inputs, extra = make_case(spec, seq)
             torch.autograd.grad(kernel(q, k, v, **extra, **inputs), (q, k, v), do)
-            wanted = f" q{1 << (seq - 1).bit_length()} "
             row = {"spec": spec.name, "N": seq, "B": q.shape[0], "H": q.shape[1], "d": spec.head_dim, "dtype": spec.dtype.value,
-                   "derived": kernel.plan.tiles(), "entries": {n: e for n, e in kernel.tuner.entries.items() if wanted in n}}
+                   "derived": kernel.plan.tiles(), "entries": entries_at(kernel.tuner.entries, seq)}
             rows.append(row)
     lines = [f"\n{versions()}", f"{'config':<34}{'fwd derived -> tuned ms':>26}{'bwd derived -> tuned ms':>26}  tuned tiles"]
     for row in rows:

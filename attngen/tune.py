@@ -107,10 +107,17 @@ def search(measure: Callable[[Config], float | None], start: Config, free: froze
 
 
 # ---- the disk cache ----------------------------------------------------------------------------------------
-def bucket(phase: str, device_name: str, batch_heads: int, q_len: int, kv_len: int, group: int, flags: tuple[str, ...] = ()) -> str:
-    def up(n: int) -> int:
-        return 1 << max(0, n - 1).bit_length()
+def up(n: int) -> int:
+    """n rounded up to a power of two: the shape buckets' granularity."""
+    return 1 << max(0, n - 1).bit_length()
 
+
+def entries_at(entries: dict[str, dict], q_len: int) -> dict[str, dict]:
+    """The entries of `entries` (bucket name -> entry) whose query length is q_len's bucket."""
+    return {name: e for name, e in entries.items() if f" q{up(q_len)} " in name}
+
+
+def bucket(phase: str, device_name: str, batch_heads: int, q_len: int, kv_len: int, group: int, flags: tuple[str, ...] = ()) -> str:
     return " ".join([phase, device_name, f"bh{up(batch_heads)}", f"q{up(q_len)}", f"kv{up(kv_len)}", f"g{group}", *flags])
 
 
