@@ -265,6 +265,54 @@ def format_table(rows: list[dict], ceiling: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def _matplotlib():
+    """pyplot, with a backend that needs no display; RuntimeError with the install line if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise RuntimeError("plots need matplotlib: pip install 'attngen[plot]' (or plot a saved --json later with "
+                           "`attngen plot RESULTS.json -o OUT.png` on a machine that has it)") from err
+    return plt
+
+
+def plot(results: dict, path: str | Path) -> None:
+    """Bar charts of a bench run ({"versions", "matmul_tflops", "rows"}, as --json writes): TFLOP/s of every
+    provider per configuration, forward above and backward below, the matrix-product ceiling as a dashed line.
+    Written atomically (a partial file never takes the name)."""
+    plt = _matplotlib()
+    rows = results.get("rows")
+    if not rows:
+        raise RuntimeError("no benchmark rows to plot")
+    providers = [p for p in PROVIDERS if any("fwd_tflops" in row.get(p, {}) for row in rows)]
+    labels = [f"{row['spec']}\nd={row['d']} N={row['N']}" for row in rows]
+    width = 0.8 / max(1, len(providers))
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.1 * len(rows) + 2), 8), sharex=True)
+    for ax, phase in zip(axes, ("fwd", "bwd")):
+        for i, name in enumerate(providers):
+            xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(rows))]
+            ys = [row.get(name, {}).get(f"{phase}_tflops", 0.0) for row in rows]  # 0: failed or not applicable
+            ax.bar(xs, ys, width, label=name)
+        if results.get("matmul_tflops"):
+            ax.axhline(results["matmul_tflops"], color="black", linestyle="--", linewidth=1, label="bf16 matmul ceiling")
+        ax.set_ylabel(f"{'forward' if phase == 'fwd' else 'backward'} TFLOP/s")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(ncol=min(6, len(providers) + 1), fontsize="small")
+    axes[0].set_title(f"attngen bench: {results.get('versions', '')}", fontsize="small")
+    axes[1].set_xticks(range(len(rows)), labels, rotation=45, ha="right", fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=120)
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+
+
 def tuned(spec: Spec) -> Spec:
     """The spec with block_m, block_n, num_warps and num_stages = auto (measured per shape: attngen/tune.py)."""
     from .check import TUNABLE
@@ -290,12 +338,14 @@ def _gpu_specs(paths: list[str], dtype: str | None, head_dims: list[int] | None)
 
 
 def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: str | None = None, head_dims: list[int] | None = None,
-        tune: bool = False, progress=print) -> list[dict]:
+        tune: bool = False, plot_path: str | None = None, progress=print) -> list[dict]:
     """The CLI's work: compile each spec for the live GPU (for each of `head_dims`, if given, instead of the spec's
-    own; named SPEC_dD), time every configuration, print the table. `tune`: attngen's tiles are tuned (every
-    key auto), and the plan's derived tiles are timed beside them."""
+    own; named SPEC_dD), time every configuration, print the table (and plot it to `plot_path`). `tune`:
+    attngen's tiles are tuned (every key auto), and the plan's derived tiles are timed beside them."""
     from .runtime import compile as compile_spec
 
+    if plot_path:
+        _matplotlib()  # before minutes of timing, not after
     rows = []
     for spec in _gpu_specs(paths, dtype, head_dims):
         kernel = compile_spec(tuned(spec) if tune else spec)
@@ -314,6 +364,9 @@ def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: 
         from .cache import write_atomic
 
         write_atomic(Path(json_path), json.dumps({"versions": versions(), "matmul_tflops": ceiling, "rows": rows}, indent=1))
+    if plot_path:
+        plot({"versions": versions(), "matmul_tflops": ceiling, "rows": rows}, plot_path)
+        progress(f"plot: {plot_path}")
     return rows
 
 

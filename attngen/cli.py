@@ -1,4 +1,4 @@
-"""attngen build | plan | targets | check | bench | tune. Spec errors print file:line:col with a caret and exit 2."""
+"""attngen build | plan | targets | check | bench | tune | plot. Spec errors print file:line:col with a caret and exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -110,12 +110,35 @@ def cmd_gpu(args) -> int:
 
     try:
         if args.command == "bench":
-            bench.run(args.spec, args.seq, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim, tune=args.tune)
+            bench.run(args.spec, args.seq, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim, tune=args.tune, plot_path=args.plot)
         else:
             bench.tune_report(args.spec, args.seq, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim)
     except RuntimeError as err:
         print(f"attngen {args.command}: {err}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_plot(args) -> int:
+    """attngen plot: the charts of a saved `attngen bench --json` file, on any machine with matplotlib."""
+    import json
+
+    from . import bench
+
+    try:
+        results = json.loads(Path(args.results).read_text())
+    except (OSError, ValueError) as err:
+        print(f"attngen plot: cannot read {args.results}: {err}", file=sys.stderr)
+        return 1
+    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
+        print(f"attngen plot: {args.results} is not an `attngen bench --json` file (no \"rows\" list)", file=sys.stderr)
+        return 1
+    try:
+        bench.plot(results, args.output)
+    except (RuntimeError, KeyError, TypeError) as err:
+        print(f"attngen plot: {args.results}: {err!r}" if not isinstance(err, RuntimeError) else f"attngen plot: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}")
     return 0
 
 
@@ -161,7 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", default=None, help="also write the results to this file")
         if name == "bench":
             p.add_argument("--tune", action="store_true", help="tune attngen's tiles (every key auto) and time the derived tiles beside them")
+            p.add_argument("--plot", default=None, metavar="OUT.png", help="also draw the table as bar charts (needs matplotlib)")
         p.set_defaults(func=cmd_gpu)
+
+    p = sub.add_parser("plot", help="draw a saved `attngen bench --json` file as bar charts (needs matplotlib)")
+    p.add_argument("results", help="the JSON file of attngen bench --json")
+    p.add_argument("-o", "--output", default="bench.png", help="image file (default: bench.png; the suffix picks the format)")
+    p.set_defaults(func=cmd_plot)
 
     args = parser.parse_args(argv)
     try:

@@ -1,6 +1,7 @@
 """attngen bench's peers: the FlexAttention twin derived from a spec computes the same attention as the
 reference (eager FlexAttention runs on CPU), SDPA is used only where it expresses the spec, and the FLOP count's
 kept fraction is exact. The timing itself needs a GPU (BENCHMARKS.md)."""
+import json
 import warnings
 from pathlib import Path
 
@@ -74,3 +75,59 @@ def test_tune_needs_a_gpu_and_bench_tune_times_the_derived_tiles_beside(capsys):
                                "derived_ms": 2.0, "tuned_ms": 1.0, "tried": 9}}}
     table = bench.format_table([row])
     assert "vs derived" in table and "2.00/1.00" in table and "tuned fwd: fwd 128x64 w8 s3 (2.00x" in table
+
+
+def _bench_results():
+    """A bench --json document as attngen bench writes it: one provider failed its check, one does not apply."""
+    def timed(fwd, bwd):
+        return {"fwd_ms": 1.0, "bwd_ms": 2.0, "max_err": 1e-3, "fwd_tflops": fwd, "bwd_tflops": bwd}
+
+    rows = [{"spec": "causal", "N": n, "B": 16384 // n, "H": 16, "d": 128, "dtype": "bf16", "kept": 0.5,
+             "attngen": timed(400.0 + n / 100, 330.0), "flex": timed(380.0, 350.0),
+             "sdpa_flash": {"error": "AssertionError: max error 0.5 against the reference"}}
+            for n in (1024, 4096)]
+    return {"versions": "H100 (synthetic)", "matmul_tflops": 690.0, "rows": rows}
+
+
+def test_plot_draws_a_png_atomically(tmp_path):
+    plt = pytest.importorskip("matplotlib.pyplot")  # an extra of the test install: skipped only outside it
+    out = tmp_path / "bench.png"
+    bench.plot(_bench_results(), out)
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]  # no temporary file left behind
+    assert not plt.get_fignums()  # the figure was closed
+    with pytest.raises(RuntimeError, match="no benchmark rows"):
+        bench.plot({"rows": []}, tmp_path / "empty.png")
+    assert not (tmp_path / "empty.png").exists()
+
+
+def test_plot_command_reads_bench_json(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "bench.json"
+    results.write_text(json.dumps(_bench_results()))
+    assert main(["plot", str(results), "-o", str(tmp_path / "out.svg")]) == 0
+    assert (tmp_path / "out.svg").read_text().lstrip().startswith("<?xml")
+    (tmp_path / "other.json").write_text(json.dumps({"versions": "x"}))
+    assert main(["plot", str(tmp_path / "other.json"), "-o", str(tmp_path / "x.png")]) == 1
+    assert "not an `attngen bench --json` file" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "missing.json")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_bench_plot_fails_before_timing_without_matplotlib(monkeypatch, capsys):
+    """--plot checks for matplotlib first: no minutes of timing before the error."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    monkeypatch.setattr(bench, "_gpu_specs", lambda *a: pytest.fail("timing started before the matplotlib check"))
+    assert main(["bench", "specs/causal.attn", "--plot", "x.png"]) == 1
+    assert "pip install 'attngen[plot]'" in capsys.readouterr().err
