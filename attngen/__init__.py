@@ -14,7 +14,7 @@ from .errors import AttngenError, InputError, PlanError, SpecError, SpecSyntaxEr
 def __getattr__(name):
     # Heavy pieces (torch, triton) load on first use, so `import attngen` stays cheap and the CLI can set
     # TRITON_INTERPRET before Triton is imported.
-    if name in ("compile", "Kernel", "dropout_mask"):
+    if name in ("compile", "Kernel", "dropout_mask", "dropout_probability"):
         from . import runtime
 
         return getattr(runtime, name)
@@ -47,6 +47,7 @@ __all__ = [
     "Kernel",
     "reference",
     "dropout_mask",
+    "dropout_probability",
     "block_mask_from",
     "block_mask_from_dense",
     "load_spec",

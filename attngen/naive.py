@@ -102,7 +102,8 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
               return_lse: bool = False, dropout_p: float = 0.0, seed: int | None = None, **inputs: torch.Tensor):
     """Naive attention for `spec` (a Spec or a compiled kernel). Differentiable with torch autograd.
     With dropout_p > 0 (and the seed given to the kernel), probabilities are multiplied by
-    attngen.dropout_mask(seed, ...) / (1 - dropout_p): the kernels' exact pattern, not a statistical match.
+    attngen.dropout_mask(seed, ...) / (1 - attngen.dropout_probability(dropout_p)): the kernels' exact pattern
+    and scale (p in steps of 1/65536), not a statistical match.
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D). Computes in `dtype` (default: float64 on CPU, float32 on
     CUDA) and returns the output in that dtype, plus the row log-sum-exp (natural log, -inf for a row that
@@ -115,10 +116,10 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     if dropout_p > 0.0:
         if seed is None:
             raise ValueError("reference(..., dropout_p > 0) needs the seed the kernel was called with")
-        from .runtime import dropout_mask  # the kernels' keep pattern (generated code; Triton)
+        from .runtime import dropout_mask, dropout_probability  # the kernels' keep pattern (generated code; Triton)
 
         keep = dropout_mask(seed, dropout_p, B, Hq, Nq, Nk, q.device)
-        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
+        p = p * keep.to(p.dtype) / (1.0 - dropout_probability(dropout_p))
     vf = v.to(dtype).repeat_interleave(Hq // Hkv, dim=1) if Hq != Hkv else v.to(dtype)
     out = torch.matmul(p, vf)
     return (out, lse) if return_lse else out

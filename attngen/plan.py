@@ -106,6 +106,10 @@ class KernelPlan:
     # False: kernels visit and mask every tile, as if nothing were proved (to measure what classification buys)
     classify: bool = True
     read_grads: tuple[ReadGrad, ...] = ()  # gradients of float inputs read in the score
+    # the q_outer forward and the backward read Q, K, V and dO tiles through tensor descriptors (the TMA copy
+    # engine; needs rows of head_dim * itemsize that are multiples of 16 bytes): measured, not derived
+    tma: bool = False
+    warp_specialize: bool = False  # the forward's loop over full tiles: tl.range(..., warp_specialize=True)
 
     @property
     def dtype(self) -> DType:
@@ -269,13 +273,15 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
 
     # fp32 products (input_precision="ieee") feed P to the second product through shared memory; 16-bit P stays in
     # registers. Measured on the H100: fp32 at d=64 with 3 stages needed 246016 bytes where Q + 3 K/V stages are 212992.
-    # Dropout: the keep tile is built as 4 interleaved Philox outputs, and putting it in the score tile's layout
-    # goes through shared memory, one byte per pair (measured on the H100: 128x128 tiles at d=128 needed 245760
-    # bytes with 3 stages, 16384 more than without dropout, over the 232448 limit).
-    keep_bytes = 1 if spec.dropout > 0.0 else 0
+    # Dropout: a key tile of 64 or more keys gets its keep tile in the score tile's own layout (each thread draws
+    # the Philox values of the keys it holds: templates/dropout.py.jinja); a smaller one is cut from a 64-key
+    # group, which goes through shared memory, one byte per pair (before session 6 every tile did: 128x128 tiles
+    # at d=128 needed 245760 bytes with 3 stages on the H100, 16384 more than without dropout).
+    def keep_bytes(bn: int) -> int:
+        return 1 if spec.dropout > 0.0 and bn < 64 else 0
 
     def smem_use(bm: int, bn: int) -> tuple[int, int]:
-        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0) + bm * bn * keep_bytes, 2 * bn * dp * isz
+        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0) + bm * bn * keep_bytes(bn), 2 * bn * dp * isz
 
     q_bytes, stage_bytes = smem_use(bm, bn)
     while (smem - q_bytes) // stage_bytes < 1 and max(bm, bn) > MIN_TILE and not (spec.block_m or spec.block_n):
@@ -294,7 +300,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
             f"{tgt.full_name} has {smem} per block (lower block_m / block_n)"
         )
     stages_c = min(MAX_STAGES, stages)
-    extra = (" - P tile" if spec.dtype is DType.FP32 else "") + (" - keep tile" if spec.dropout > 0.0 else "")
+    extra = (" - P tile" if spec.dtype is DType.FP32 else "") + (" - keep tile" if keep_bytes(bn) else "")
     steps.append(Step("forward num_stages", f"min({MAX_STAGES}, (smem - Q tile{extra} {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages_c}"))
     if spec.num_stages is not None:
         steps.append(Step("num_stages override", "spec: num_stages", f"{spec.num_stages}"))
@@ -328,7 +334,8 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     dq_warps = 8 if qbm >= 128 or dp >= 256 else 4
     steps.append(Step("backward dQ num_warps", "8 if BLOCK_M >= 128 or d_pad >= 256 else 4", f"{dq_warps}"))
     resident = 2 * kbn * dp * isz + (2 * kbn * max(kbm, qbn) * 4 if spec.dtype is DType.FP32 else 0)  # fp32: P and dS via smem
-    resident += max(4 * kbm * kbn, qbm * qbn) if spec.dropout > 0.0 else 0  # the keep tile's conversion (dK/dV: float32 Z)
+    # dropout: dK/dV transposes its keep tile (as float32 Z) through shared memory; dQ's is cut from a group when small
+    resident += max(4 * kbm * kbn, qbm * qbn * keep_bytes(qbn)) if spec.dropout > 0.0 else 0
     bwd_stage = 2 * kbm * dp * isz
     bwd_stages = max(1, min(MAX_STAGES, (smem - resident) // bwd_stage))
     steps.append(Step("backward num_stages", f"min({MAX_STAGES}, (smem - K,V{' - P,dS' if spec.dtype is DType.FP32 else ''} {resident}) // (Q+dO stage {bwd_stage}))", f"{bwd_stages}"))
@@ -342,6 +349,10 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         if fits != [bm, bn, kbm, kbn, qbm, qbn]:
             steps.append(Step("block sparsity", f"every tile <= sparse_block = {S}", "tiles " + ", ".join(map(str, fits))))
         bm, bn, kbm, kbn, qbm, qbn = fits
+
+    # Tile loads stay pointer loads. The templates can read Q, K, V and dO through tensor descriptors (Hopper's
+    # copy engine, KernelPlan.tma), but on the H100 with Triton 3.6 that was 1-12% slower on every planned
+    # configuration (benchmarks/tma_probe.py, BENCHMARKS.md session 6), so no plan turns it on.
 
     mask = effective_mask(spec)
     score = spec.score

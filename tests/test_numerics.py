@@ -47,7 +47,7 @@ VARIANTS = {
     "relative_table_grad_kv_outer": "attention v { head_dim = 32 loop_order = kv_outer input rel: fp32[H, N] mask = q_idx - kv_idx < 30 score = score + rel[h, q_idx - kv_idx + 20] * 0.5 }",
     "bucketed_table_grad": "attention v { head_dim = 32 input rel: fp32[3, 9] input bucket: int32[N] score = score + rel[h % 3, bucket[abs(q_idx - kv_idx)] % 9] block_m = 16 block_n = 16 }",
     "head_temperature_grad": "attention v { head_dim = 32 input temp: fp32[H] input tab: fp32[3, N] mask = q_idx >= kv_idx score = score * temp[h] + tab[1, kv_idx] - tab[2, 5] }",
-    # dropout: the kernels' pattern (Philox of seed, b, h, q_idx, kv_idx // 4; output kv_idx % 4) against the reference using attngen.dropout_mask
+    # dropout: the kernels' pattern (Philox of seed, b, h, q_idx, 8 keys per call; 16-bit values) against the reference using attngen.dropout_mask
     "dropout_causal_tiles_16": "attention v { head_dim = 32 dropout = 0.25 mask = q_idx >= kv_idx block_m = 16 block_n = 16 }",
     "dropout_kv_outer_padding": "attention v { head_dim = 32 dropout = 0.1 loop_order = kv_outer input lens: int32[B] mask = kv_idx < lens[b] }",
     "dropout_document_bias_grad": "attention v { head_dim = 32 dropout = 0.2 input doc: int32[B, N] input slopes: fp32[H] mask = doc[b, q_idx] == doc[b, kv_idx] score = score - slopes[h] * abs(q_idx - kv_idx) block_m = 16 block_n = 16 }",
@@ -116,6 +116,48 @@ def test_non_contiguous_inputs_and_grad(device, target):
     assert torch.allclose(out.double(), ref, atol=2e-5)
     for g, rg in zip(grads, ref_grads):
         assert torch.allclose(g.double(), rg.double(), atol=5e-5)
+
+
+TMA_SPECS = {
+    "causal_padded_head": "attention t { head_dim = 40 mask = q_idx >= kv_idx }",
+    "document_gqa": "attention t { head_dim = 32 input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] block_m = 16 block_n = 32 }",
+    "dropout_softcap": "attention t { head_dim = 32 dropout = 0.2 score = 20.0 * tanh(score / 20.0) }",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TMA_SPECS))
+def test_tensor_descriptor_loads(name, device, target):
+    """The kernels' tensor-descriptor path (KernelPlan.tma: Q, K, V, dO tiles through tl.make_tensor_descriptor;
+    no plan turns it on today, it measured slower on the H100) against the float64 reference, on the shapes of
+    `attngen check`, and with inputs it cannot read in place: a view starting 4 bytes into its storage and a dO
+    with a stride along head_dim (the launchers copy those)."""
+    from attngen import runtime
+    from attngen.plan import plan as make_plan
+    from attngen.render import build_source
+
+    spec = dataclasses.replace(load_spec(TMA_SPECS[name]), dtype=DType.FP32)
+    kplan = dataclasses.replace(make_plan(spec, target), tma=True)
+    key, source = build_source(kplan)
+    assert "tl.make_tensor_descriptor" in source and "_tma_ready" in source
+    module = runtime._load(spec.name, key, source)
+    kern = runtime.Kernel(spec, kplan, source, Path(module.__file__), module)
+    _check(kern, device, shapes=((1, 4, 2, 45, 70), (2, 2, 2, 33, 33)))
+
+    gen = torch.Generator().manual_seed(11)
+    B, H, N, d = 1, 2, 50, spec.head_dim
+    wide = _rand(B, H, N, d + 4, device=device, dtype=torch.float32, gen=gen)
+    q = wide[..., 1:d + 1].detach().requires_grad_()  # starts 4 bytes in: not 16-byte aligned
+    k, v = (_rand(B, H, N, d, device=device, dtype=torch.float32, gen=gen).requires_grad_() for _ in range(2))
+    do = _rand(B, H, N, 2 * d, device=device, dtype=torch.float32, gen=gen)[..., ::2]
+    inputs = {"doc": (torch.arange(N, device=device) // 20).view(1, N).expand(B, N).contiguous().int()} if "doc" in name else {}
+    drop = {"dropout_p": 0.2, "seed": 5} if spec.dropout else {}
+    out = kern(q, k, v, **drop, **inputs)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref = attngen.reference(kern.spec, *(t.double() for t in (q, k, v)), dtype=torch.float64, **drop, **inputs)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert not torch.isnan(got).any()
+        assert (got.double() - want).abs().max().item() < 1e-4
 
 
 def test_fully_masked_rows_are_zero_with_minus_inf_lse(device, target):
@@ -254,14 +296,6 @@ def _philox4x32_10(c0, c1, c2, c3, seed: int):
     return c0, c1, c2, c3
 
 
-def _uint_to_uniform_float(r):
-    """tl.random.uint_to_uniform_float of uint32: read as int32, negatives x -> -x - 1, times 4.6566127342e-10 in
-    float32 (so [0, 1))."""
-    x = np.asarray(r, dtype=np.uint64).astype(np.uint32).view(np.int32).astype(np.int64)
-    x = np.where(x < 0, -x - 1, x)
-    return x.astype(np.float32) * np.float32(4.6566127342e-10)
-
-
 def test_dropout_philox_reference_matches_published_vectors():
     """The numpy Philox above against Random123's known-answer vectors (kat_vectors, philox4x32 10)."""
     cases = [((0, 0, 0, 0), 0, (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
@@ -272,36 +306,42 @@ def test_dropout_philox_reference_matches_published_vectors():
         assert tuple(int(x) for x in _philox4x32_10(*counters, seed)) == expected
 
 
-def _documented_uniforms(seed: int, B: int, H: int, Nq: int, Nk: int, lanes=True):
-    """The uniform number of every pair (B, H, Nq, Nk) as the dropout pattern is documented: output kv_idx % 4 of
-    Philox-4x32-10 with the counters (q_idx, kv_idx // 4, b * H + h, 0) and the seed as key (lanes=False: output
-    0 for every key, to show that the test tells them apart)."""
+def _documented_values(seed: int, B: int, H: int, Nq: int, Nk: int, lanes=True):
+    """The 16-bit value of every pair (B, H, Nq, Nk) as the dropout pattern is documented: with r the outputs of
+    Philox-4x32-10 with the counters (q_idx, 8 * (kv_idx // 64) + (kv_idx % 16) // 2, b * H + h, 0) and the seed
+    as key, r[(kv_idx % 64) // 16] >> (16 * (kv_idx % 2)) & 0xFFFF (lanes=False: r[0]'s low half for every key,
+    to show that the test tells them apart)."""
     b, h, q_idx, kv_idx = np.meshgrid(*(np.arange(n, dtype=np.uint64) for n in (B, H, Nq, Nk)), indexing="ij")
-    outputs = _philox4x32_10(q_idx, kv_idx // np.uint64(4), b * np.uint64(H) + h, np.zeros_like(q_idx), seed)
-    lane = (kv_idx % np.uint64(4)).astype(np.intp) if lanes else np.zeros(kv_idx.shape, dtype=np.intp)
-    return _uint_to_uniform_float(np.choose(lane, outputs))
+    call = np.uint64(8) * (kv_idx // np.uint64(64)) + (kv_idx % np.uint64(16)) // np.uint64(2)
+    outputs = _philox4x32_10(q_idx, call, b * np.uint64(H) + h, np.zeros_like(q_idx), seed)
+    if not lanes:
+        return outputs[0] & np.uint64(0xFFFF)
+    word = np.choose(((kv_idx % np.uint64(64)) // np.uint64(16)).astype(np.intp), outputs)
+    return (word >> (np.uint64(16) * (kv_idx % np.uint64(2)))) & np.uint64(0xFFFF)
 
 
 def test_dropout_mask_is_its_documented_definition(device, target):
     """attngen.dropout_mask against the documented pattern, computed in numpy: pair (b, h, q_idx, kv_idx) is kept
-    iff uint_to_uniform_float(r[kv_idx % 4]) >= p, r = Philox-4x32-10 with the counters (q_idx, kv_idx // 4,
-    b * H + h, 0) and the seed as key. The seed is above 2**32, so both key words matter; then a kernel's forward
-    and backward with that seed against the float64 reference (which uses dropout_mask), without NaN."""
-    B, H, Nq, Nk = 2, 3, 37, 45
+    iff its 16-bit value (above) is >= round(p * 65536). The seed is above 2**32, so both key words matter; the
+    shape has keys past one 64-key group and a partial group. Then a kernel's forward and backward with that seed
+    (16-key tiles: a part of a group) against the float64 reference (which uses dropout_mask), without NaN."""
+    B, H, Nq, Nk = 2, 3, 37, 150
     seed = 0x2545F4914F6CDD1D
-    uniform = _documented_uniforms(seed, B, H, Nq, Nk)
+    values = _documented_values(seed, B, H, Nq, Nk)
     for p in (0.3, 0.75):
-        expected = uniform >= np.float32(p)  # dropout_p reaches the kernels as float32
+        threshold = int(p * 65536 + 0.5)
+        expected = values >= np.uint64(threshold)
         got = attngen.dropout_mask(seed, p, B, H, Nq, Nk, device).cpu().numpy()
         assert got.shape == expected.shape and np.array_equal(got, expected)
         assert abs(expected.mean() - (1 - p)) < 0.02
-    # the check tells patterns apart: the low key word alone, or output 0 for every key, differs in > 20% of pairs
-    for other in (_documented_uniforms(seed & 0xFFFFFFFF, B, H, Nq, Nk), _documented_uniforms(seed, B, H, Nq, Nk, lanes=False)):
-        assert ((other >= np.float32(0.3)) != (uniform >= np.float32(0.3))).mean() > 0.2
+        assert attngen.dropout_probability(p) == threshold / 65536
+    # the check tells patterns apart: the low key word alone, or one output for every key, differs in > 20% of pairs
+    for other in (_documented_values(seed & 0xFFFFFFFF, B, H, Nq, Nk), _documented_values(seed, B, H, Nq, Nk, lanes=False)):
+        assert ((other >= np.uint64(19661)) != (values >= np.uint64(19661))).mean() > 0.2
 
     kern = _compile(load_spec("attention t { head_dim = 32 dropout = 0.3 mask = q_idx >= kv_idx block_m = 16 block_n = 16 }"), "fp32", target)
     gen = torch.Generator().manual_seed(4)
-    q, k, v, do = (_rand(2, 3, Nq if i in (0, 3) else Nk, 32, device=device, dtype=torch.float32, gen=gen) for i in range(4))
+    q, k, v, do = (_rand(2, 3, Nq if i in (0, 3) else 45, 32, device=device, dtype=torch.float32, gen=gen) for i in range(4))
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out = kern(*leaves, seed=seed)
     wide = [t.detach().double().requires_grad_() for t in leaves]

@@ -1,0 +1,85 @@
+"""A/B test of two template directories on the GPU: the same plans rendered from each, outputs compared, the
+forward and the backward timed alternately (A, B, A, B: drift between the two falls on both).
+
+    python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR [--b templates] [--specs dense causal]
+                                      [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
+
+Keep A as a copy of the templates before a change (e.g. `git archive HEAD templates | tar -x -C /tmp/a`).
+"""
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from attngen import render  # noqa: E402
+from attngen.check import load_spec  # noqa: E402
+from attngen.plan import plan as make_plan  # noqa: E402
+from attngen.runtime import _load  # noqa: E402
+from attngen.spec import DType  # noqa: E402
+from harness import median_ms, versions  # noqa: E402
+
+
+def module_from(templates: Path, plan):
+    """The generated module of `plan` rendered from `templates` (the cache key covers the templates' digest)."""
+    render.templates_dir = lambda: templates
+    render._env.cache_clear()
+    render.templates_digest.cache_clear()
+    return _load(plan.spec.name, *render.build_source(plan))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--a", required=True, type=Path)
+    ap.add_argument("--b", default=ROOT / "templates", type=Path)
+    ap.add_argument("--specs", nargs="+", default=["dense", "causal"])
+    ap.add_argument("--dims", nargs="+", type=int, default=[128, 64])
+    ap.add_argument("--seq", nargs="+", type=int, default=[4096, 16384])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for name in args.specs:
+        for d in args.dims:
+            spec = dataclasses.replace(load_spec((ROOT / "specs" / f"{name}.attn").read_text()), head_dim=d, dtype=DType.BF16)
+            plan = make_plan(spec, "auto")
+            mods = {"A": module_from(args.a.resolve(), plan), "B": module_from(args.b.resolve(), plan)}
+            for n in args.seq:
+                bsz, h = 16384 // n, 2048 // d
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v, do = (torch.randn(bsz, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+                flop = 4 * bsz * h * n * n * d * (0.5 if name == "causal" else 1.0)
+                outs = {}
+                for key, mod in mods.items():
+                    o, lse = mod.attention_forward(q, k, v)
+                    outs[key] = (o, lse) + tuple(mod.attention_backward(q, k, v, o, lse, do, None))
+                err = max((x.float() - y.float()).abs().max().item() for x, y in zip(outs["A"], outs["B"]))
+                nan = any(torch.isnan(x).any().item() for x in outs["B"])
+                times = {(key, part): [] for key in mods for part in ("fwd", "bwd")}
+                for _ in range(args.rounds):
+                    for key, mod in mods.items():
+                        o, lse = outs[key][:2]
+                        times[key, "fwd"].append(median_ms(lambda: mod.attention_forward(q, k, v)))
+                        times[key, "bwd"].append(median_ms(lambda: mod.attention_backward(q, k, v, o, lse, do, None)))
+                row = {"spec": name, "d": d, "N": n, "max_diff": err, "nan": nan}
+                for part, mult in (("fwd", 1.0), ("bwd", 2.5)):
+                    a, b = min(times["A", part]), min(times["B", part])
+                    row |= {f"{part}_A_tflops": mult * flop / a * 1e-9, f"{part}_B_tflops": mult * flop / b * 1e-9, f"{part}_B_over_A": a / b}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(versions())
+    print("\nSUMMARY (TFLOP/s A -> B, speed-up B/A)")
+    for r in rows:
+        print(f"{r['spec']} d={r['d']} N={r['N']}: fwd {r['fwd_A_tflops']:.0f} -> {r['fwd_B_tflops']:.0f} ({r['fwd_B_over_A']:.3f}x), "
+              f"bwd {r['bwd_A_tflops']:.0f} -> {r['bwd_B_tflops']:.0f} ({r['bwd_B_over_A']:.3f}x); max diff {r['max_diff']:.2e}{' NaN!' if r['nan'] else ''}",
+              flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"versions": versions(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
