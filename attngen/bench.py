@@ -306,7 +306,7 @@ def plot(results: dict, path: str | Path) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
     try:
-        fig.savefig(tmp, dpi=120)
+        fig.savefig(tmp, dpi=120, format=path.suffix[1:] or "png")  # the name's suffix picks the format; none: PNG
         tmp.replace(path)
     finally:
         plt.close(fig)

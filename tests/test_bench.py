@@ -97,6 +97,8 @@ def test_plot_draws_a_png_atomically(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]  # no temporary file left behind
     assert not plt.get_fignums()  # the figure was closed
+    bench.plot(_bench_results(), tmp_path / "chart")  # no suffix: PNG
+    assert (tmp_path / "chart").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(RuntimeError, match="no benchmark rows"):
         bench.plot({"rows": []}, tmp_path / "empty.png")
     assert not (tmp_path / "empty.png").exists()
