@@ -2,7 +2,8 @@
 
 A block mask is a bool tensor (B or 1, H or 1, ceil(Nq / S), ceil(Nk / S)) for the spec's `sparse_block` S:
 block (i, j) keeps the pairs q_idx in [i S, (i + 1) S), kv_idx in [j S, (j + 1) S) that the spec's mask keeps;
-every other pair is dropped. The kernels do not read the mask itself: once per call it becomes two lists,
+every other pair is dropped. The kernels do not read the mask itself: it becomes two lists (once per mask
+tensor: attngen.runtime.Kernel keeps the last mask's lists while that tensor is unmodified),
 like a compressed sparse row matrix and its transpose, which the forward and dQ kernels (rows of query
 blocks) and the dK/dV kernel (rows of key blocks) walk, so they visit only kept blocks.
 """

@@ -5,6 +5,7 @@ import importlib.util
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -71,6 +72,7 @@ class Kernel:
         self._direct_indices = _direct_indices(spec)
         # `auto` tiles (attngen/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
+        self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
 
     def __repr__(self) -> str:
         return f"<attngen.Kernel {self.spec.name} target={self.plan.target.name} file={self.path}>"
@@ -166,7 +168,15 @@ class Kernel:
         if block_mask is None:
             raise InputError(f"the spec {spec.name!r} has sparsity = runtime: pass block_mask= (bool, (B or 1, H or 1, "
                              f"ceil(Nq / {spec.sparse_block}), ceil(Nk / {spec.sparse_block}))), e.g. from attngen.block_mask_from")
-        return {"blocks": block_lists(block_mask, spec.sparse_block, dims.batch, dims.heads, dims.q_len, dims.kv_len, device)}
+        # The lists of the last mask are kept: a call with the same tensor object, unmodified since (its version
+        # counter), and the same shapes reuses them instead of converting again (0.2-0.3 ms at N = 8192 on the H100).
+        shapes = (dims.batch, dims.heads, dims.q_len, dims.kv_len, device)
+        last = self._last_blocks
+        if last is not None and last[0]() is block_mask and last[1] == block_mask._version and last[2] == shapes:
+            return {"blocks": last[3]}
+        lists = block_lists(block_mask, spec.sparse_block, dims.batch, dims.heads, dims.q_len, dims.kv_len, device)
+        self._last_blocks = (weakref.ref(block_mask), block_mask._version, shapes, lists)
+        return {"blocks": lists}
 
     def _dropout(self, dropout_p: float | None, seed: int | None) -> dict:
         """The dropout keyword arguments of the generated launchers ({} for a spec without dropout)."""

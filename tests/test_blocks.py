@@ -97,3 +97,33 @@ def test_block_lists_are_kept_indices_in_order():
     assert rows.shape == (2, 3, 2, 4) and rows.stride()[:2] == (0, 0)
     assert rows[0, 0].tolist() == [[2, 0, 2, 1], [0, 0, 1, 2]]  # count, then kept blocks (the rest is padding)
     assert cols[1, 2].tolist() == [[1, 0, 1], [0, 0, 1], [1, 0, 1]]
+
+
+def test_block_lists_of_the_last_mask_are_reused_until_it_changes(device, target, monkeypatch):
+    """The same mask tensor, unmodified, is converted once; an in-place change, another tensor or other shapes
+    convert again, and every call's output follows its mask (against the reference)."""
+    kern = attngen.compile(SPARSE.format(extra="block_m = 16"), target)
+    q, k, v = _qkv(device, nq=70, nk=90)
+    conversions = []
+    real = blocks._lists
+    monkeypatch.setattr(blocks, "_lists", lambda m: conversions.append(m.shape) or real(m))
+
+    def check(bm, batch=2):
+        qkv = [t[:batch].detach().requires_grad_() for t in (q, k, v)]
+        out = kern(*qkv, block_mask=bm)
+        ref = attngen.reference(kern, *(t.detach().double() for t in qkv), block_mask=bm)
+        assert not torch.isnan(out).any() and (out.double() - ref).abs().max().item() < 1e-5
+
+    bm = attngen.block_mask_from(lambda b, h, i, j: i >= j, 70, 90, sparse_block=32, device=device)
+    check(bm)
+    check(bm)
+    assert len(conversions) == 2  # rows and columns, once
+    bm[0, 0, 2, 0] = False  # in place: the version counter moves
+    check(bm)
+    assert len(conversions) == 4
+    check(bm.clone())  # equal content, another tensor
+    assert len(conversions) == 6
+    other = bm.clone()
+    check(other)
+    check(other, batch=1)  # the same (1, 1, rows, cols) mask for another batch size: lists of other shapes
+    assert len(conversions) == 10
