@@ -320,6 +320,11 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         # the fastest for causal (1.09x the rule above) and sliding-window (1.12x) masks
         kbn, kbm, dkdv_warps = 64, 32, 4
         steps.append(Step("backward dK/dV tiles, measured", "best of benchmarks/sweep.py at d=128, bf16, sm_90", "BLOCK_N=64, BLOCK_M=32, 4 warps"))
+    elif tgt.arch >= 90 and dp == 64 and spec.dtype is not DType.FP32 and not spec.block_n:
+        # benchmarks/tma_probe.py on the H100 (BENCHMARKS.md, session 6): of 9 dK/dV configs at d=64 in bf16, 64x64 tiles
+        # with 4 warps beat the rule's 128x64 with 8 on dense and causal at N = 4096 and 16384 (1.02-1.10x the backward)
+        kbn, kbm, dkdv_warps = 64, 64, 4
+        steps.append(Step("backward dK/dV tiles, measured", "best of benchmarks/tma_probe.py at d=64, bf16, sm_90", "BLOCK_N=64, BLOCK_M=64, 4 warps"))
     else:
         dkdv_warps = bwd_warps
     # dQ kernel: dQ accumulator (BM x d_pad) plus score and dP tiles (BM x BN).
