@@ -3,8 +3,8 @@
 The plan derives every kernel's tiles from the target's on-chip memory (attngen/plan.py); that is the default.
 A spec that says `auto` for some of these keys is tuned instead, on the GPU, the first time a shape bucket is
 called: starting from the derived configuration, a coordinate search times every configuration one step away
-(a tile side halved or doubled, warps halved or doubled, one pipeline stage more or less; only the keys marked
-auto move, in every kernel of the pass), moves to the fastest if it beats the current one by MIN_GAIN, and
+(a tile side halved or doubled, warps halved or doubled, one pipeline stage more or less, or a tile side and the
+warps halved or doubled together; only the keys marked auto move, in every kernel of the pass), moves to the fastest if it beats the current one by MIN_GAIN, and
 repeats for at most MAX_ROUNDS rounds. The forward kernel is tuned on the forward call; the two backward kernels
 (dK/dV and dQ) together on the backward call, timing the whole backward.
 
@@ -53,9 +53,18 @@ def _key(config: Config) -> str:
 
 
 def neighbours(config: Config, free: frozenset[str], limits: tuple[int, int]) -> list[Config]:
-    """Every configuration one step from `config` in one parameter of one kernel (only the spec keys in `free`)."""
+    """Every configuration one step from `config` in one parameter of one kernel (only the spec keys in `free`),
+    and, when the warps are free, one tile side and the warps halved or doubled together: the same work per warp
+    on a tile of another size. (On the H100 the best d=64 dK/dV tiles were such a pair of steps from the derived
+    ones, 128x64 with 8 warps to 64x64 with 4: each single step was slower, so a one-step search stopped.)"""
     lo, hi = limits
     out = []
+
+    def step(kernel: str, changes: dict[str, int]) -> None:
+        new = copy.deepcopy(config)
+        new[kernel].update(changes)
+        out.append(new)
+
     for kernel, cfg in config.items():
         for key in sorted(free):
             param = PARAMS[key]
@@ -67,9 +76,15 @@ def neighbours(config: Config, free: frozenset[str], limits: tuple[int, int]) ->
             else:
                 options = [n for n in (v - 1, v + 1) if STAGES[0] <= n <= STAGES[1]]
             for n in options:
-                new = copy.deepcopy(config)
-                new[kernel][param] = n
-                out.append(new)
+                step(kernel, {param: n})
+        if "num_warps" in free:
+            w = cfg["num_warps"]
+            for key in sorted(free & {"block_m", "block_n"}):
+                param = PARAMS[key]
+                for factor in (0.5, 2):
+                    side, warps = int(cfg[param] * factor), int(w * factor)
+                    if lo <= side <= hi and WARPS[0] <= warps <= WARPS[-1]:
+                        step(kernel, {param: side, "num_warps": warps})
     return out
 
 

@@ -57,15 +57,33 @@ def test_search_skips_failures_and_keeps_the_start_without_a_real_gain():
         search(lambda c: None, START, frozenset({"block_m"}), (16, 128))
 
 
-def test_neighbours_are_one_step_in_one_parameter_of_one_kernel():
+def test_neighbours_are_one_step_or_a_tile_side_with_the_warps():
     start = {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
              "dq": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 5}}
     got = neighbours(start, frozenset({"block_m", "block_n", "num_warps", "num_stages"}), (16, 128))
-    changes = sorted((k, p, c[k][p]) for c in got for k in c for p in c[k] if c[k][p] != start[k][p])
-    assert len(changes) == len(got)  # each neighbour differs in exactly one value
-    assert changes == sorted([("dkdv", "BLOCK_M", 16), ("dkdv", "BLOCK_M", 64), ("dkdv", "BLOCK_N", 64), ("dkdv", "num_warps", 8),
-                              ("dkdv", "num_stages", 2), ("dq", "BLOCK_M", 32), ("dq", "BLOCK_N", 32), ("dq", "BLOCK_N", 128),
-                              ("dq", "num_warps", 4), ("dq", "num_stages", 4)])
+    changes = sorted(tuple(sorted((k, p, c[k][p]) for k in c for p in c[k] if c[k][p] != start[k][p])) for c in got)
+    single = [("dkdv", "BLOCK_M", 16), ("dkdv", "BLOCK_M", 64), ("dkdv", "BLOCK_N", 64), ("dkdv", "num_warps", 8),
+              ("dkdv", "num_stages", 2), ("dq", "BLOCK_M", 32), ("dq", "BLOCK_N", 32), ("dq", "BLOCK_N", 128),
+              ("dq", "num_warps", 4), ("dq", "num_stages", 4)]
+    # warps stay in 4..8 and sides in 16..128: dkdv (4 warps) can only double both (BLOCK_N 128 cannot), dq (8 warps)
+    # only halve both (BLOCK_M 16 cannot)
+    paired = [(("dkdv", "BLOCK_M", 64), ("dkdv", "num_warps", 8)), (("dq", "BLOCK_N", 32), ("dq", "num_warps", 4))]
+    assert changes == sorted([(c,) for c in single] + [tuple(sorted(p)) for p in paired])
+    assert len(got) == len(changes)
+    only_tiles = neighbours(start, frozenset({"block_m", "block_n"}), (16, 128))
+    assert all(c[k]["num_warps"] == start[k]["num_warps"] for c in only_tiles for k in c)  # warps not free: no pairs
+
+
+def test_search_takes_a_tile_and_warps_step_together():
+    """The optimum two single steps away, each single step slower (as d=64 dK/dV on the H100): reached."""
+    start = {"fwd": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}
+    times = {(128, 8): 1.0, (64, 8): 1.2, (128, 4): 1.3, (64, 4): 0.9}
+
+    def measure(config):
+        c = config["fwd"]
+        return times.get((c["BLOCK_M"], c["num_warps"]), 2.0) + (0 if (c["BLOCK_N"], c["num_stages"]) == (64, 3) else 1.0)
+    r = search(measure, start, frozenset({"block_m", "block_n", "num_warps", "num_stages"}), (16, 128))
+    assert r.best == {"fwd": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}} and r.best_ms == 0.9
 
 
 def test_spec_keys():
