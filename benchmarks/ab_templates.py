@@ -7,7 +7,6 @@ forward and the backward timed alternately (A, B, A, B: drift between the two fa
 Keep A as a copy of the templates before a change (e.g. `git archive HEAD templates | tar -x -C /tmp/a`).
 """
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -17,11 +16,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen import render  # noqa: E402
-from attngen.check import load_spec  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
 from attngen.runtime import _load  # noqa: E402
-from attngen.spec import DType  # noqa: E402
-from harness import median_ms, versions  # noqa: E402
+from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
 
 
 def module_from(templates: Path, plan):
@@ -45,7 +42,7 @@ def main():
     rows = []
     for name in args.specs:
         for d in args.dims:
-            spec = dataclasses.replace(load_spec((ROOT / "specs" / f"{name}.attn").read_text()), head_dim=d, dtype=DType.BF16)
+            spec = shipped_spec(name, d)
             plan = make_plan(spec, "auto")
             mods = {"A": module_from(args.a.resolve(), plan), "B": module_from(args.b.resolve(), plan)}
             for n in args.seq:
@@ -78,7 +75,7 @@ def main():
               f"bwd {r['bwd_A_tflops']:.0f} -> {r['bwd_B_tflops']:.0f} ({r['bwd_B_over_A']:.3f}x); max diff {r['max_diff']:.2e}{' NaN!' if r['nan'] else ''}",
               flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"versions": versions(), "rows": rows}, indent=1))
+        save_results(args.json, rows=rows)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,10 @@ import triton.language as tl
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from attngen.check import load_spec  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
 from attngen.render import build_source  # noqa: E402
 from attngen.runtime import _load  # noqa: E402
-from attngen.spec import DType  # noqa: E402
-from harness import median_ms, versions  # noqa: E402
+from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
 
 
 @triton.jit
@@ -98,7 +96,7 @@ def main():
     args = ap.parse_args()
     rows = []
     for d in args.dims:
-        spec = dataclasses.replace(load_spec((ROOT / "specs" / "dense.attn").read_text()), head_dim=d, dtype=DType.BF16)
+        spec = shipped_spec("dense", d)
         plan = dataclasses.replace(make_plan(spec, "auto"), tma=False)
         gen = _load(spec.name, *build_source(plan))
         tiles = plan.tiles()["fwd"]
@@ -137,7 +135,7 @@ def main():
             parts.append(f"{kern}: {best['tflops']:.0f} {best['tiles']}")
         print(f"d={d} N={n}: " + " | ".join(parts), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"versions": versions(), "rows": rows}, indent=1))
+        save_results(args.json, rows=rows)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
 from attngen.blocks import block_lists  # noqa: E402
-from harness import SDPA_FLASH, flex, measure, median_ms, sdpa, time_fwd_bwd, versions  # noqa: E402
+from harness import SDPA_FLASH, flex, measure, median_ms, save_results, sdpa, time_fwd_bwd, versions  # noqa: E402
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 
 B, H, N, D, S = 2, 16, 8192, 128, 128
@@ -136,7 +136,7 @@ def main():
     for name, err in errors:
         print(f"ERROR {name}: {err}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"versions": versions(), "dense_ms": dense_ms, "sparse": sparse, "dropout": drop}, indent=1))
+        save_results(args.json, dense_ms=dense_ms, sparse=sparse, dropout=drop)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from attngen.check import load_spec  # noqa: E402
 from attngen.render import build_source  # noqa: E402
 from attngen.runtime import _load  # noqa: E402
-from attngen.spec import DType  # noqa: E402
-from harness import median_ms, versions  # noqa: E402
+from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
 
 H, D = 16, 128
 FWD = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
@@ -49,7 +47,7 @@ def main():
     n, dev = args.seq, "cuda"
     results = []
     for name in args.specs:
-        spec = dataclasses.replace(load_spec((ROOT / "specs" / f"{name}.attn").read_text()), head_dim=D, dtype=DType.BF16)
+        spec = shipped_spec(name, D)
         base = attngen.compile(spec)
         gen = torch.Generator(device=dev).manual_seed(0)
         q, k, v, do = (torch.randn(1, H, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
@@ -86,7 +84,7 @@ def main():
                   f"best {best['ms']:.3f} ms ({cfg_str(best)}); planned/best = {rows[0]['ms'] / best['ms']:.2f}", flush=True)
     print(versions())
     if args.json:
-        Path(args.json).write_text(json.dumps({"versions": versions(), "rows": results}, indent=1))
+        save_results(args.json, rows=results)
 
 
 if __name__ == "__main__":

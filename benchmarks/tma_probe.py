@@ -21,12 +21,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from attngen.check import load_spec  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
 from attngen.render import build_source  # noqa: E402
 from attngen.runtime import _load  # noqa: E402
-from attngen.spec import DType  # noqa: E402
-from harness import median_ms, versions  # noqa: E402
+from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
 
 VARIANTS = {"ptr": dict(tma=False), "tma": dict(tma=True), "ws": dict(tma=True, warp_specialize=True)}
 FWD = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3)]
@@ -53,7 +51,7 @@ def main():
     rows = []
     for name in args.specs:
         for d in args.dims:
-            spec = dataclasses.replace(load_spec((ROOT / "specs" / f"{name}.attn").read_text()), head_dim=d, dtype=DType.BF16)
+            spec = shipped_spec(name, d)
             base = make_plan(spec, "auto")
             planned = base.tiles()
             modules = {}
@@ -119,7 +117,7 @@ def main():
             cells.append(f"{var}: {mine[0]['tflops']:.0f} planned, {best['tflops']:.0f} best {best['tiles']}")
         print(f"{key[0]} d={key[1]} N={key[2]} {key[3]}: " + " | ".join(cells), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"versions": versions(), "rows": rows}, indent=1))
+        save_results(args.json, rows=rows)
 
 
 if __name__ == "__main__":
