@@ -262,14 +262,10 @@ class _AttentionFunction(torch.autograd.Function):
         flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
         backward = ctx.kernel.module.attention_backward
         extra |= ctx.kernel._tiles("bwd", dims, flags, q.device, lambda t: backward(q, k, v, o, lse, do, dlse, *inputs, **extra, tiles=t))
+        dq, dk, dv, *terms = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)  # with input_grads: the terms too
         if not any(wanted):
-            dq, dk, dv = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)
             return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
-        terms = []
-        if reads:
-            dq, dk, dv, terms = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)
-        else:
-            dq, dk, dv = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)
+        terms = terms[0] if terms else []
         grads = _reduce_input_grads(ctx.kernel.spec, dims, dict(zip((d.name for d in ctx.kernel.spec.inputs), inputs)), reads, terms)
         return (None, None, None, dq, dk, dv) + tuple(grads.get(d.name) if w else None for d, w in zip(ctx.kernel.spec.inputs, wanted))
 
