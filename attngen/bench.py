@@ -11,6 +11,7 @@ The bf16 8192^3 matrix product is timed in the same run (the card's ceiling).
 """
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import blocks
+from .cache import write_atomic
 from .expr import SCORE_VARS, Scope, variables
 from .naive import evaluate, reference
 from .plan import effective_mask
@@ -304,13 +306,12 @@ def plot(results: dict, path: str | Path) -> None:
     axes[1].set_xticks(range(len(rows)), labels, rotation=45, ha="right", fontsize="small")
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    image = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=120, format=path.suffix[1:] or "png")  # the name's suffix picks the format; none: PNG
-        tmp.replace(path)
+        fig.savefig(image, dpi=120, format=path.suffix[1:] or "png")  # the name's suffix picks the format; none: PNG
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, image.getvalue())
 
 
 def tuned(spec: Spec) -> Spec:
@@ -357,15 +358,13 @@ def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: 
                 row["tuned"] = entries_at(kernel.tuner.entries, seq)
             rows.append(row)
             progress("\n".join(format_table([row]).splitlines()[2:]))  # this row now: a run cut off keeps it
-    ceiling = matmul_tflops()
-    progress(f"\n{versions()}")
-    progress(format_table(rows, ceiling))
+    results = {"versions": versions(), "matmul_tflops": matmul_tflops(), "rows": rows}
+    progress(f"\n{results['versions']}")
+    progress(format_table(rows, results["matmul_tflops"]))
     if json_path:
-        from .cache import write_atomic
-
-        write_atomic(Path(json_path), json.dumps({"versions": versions(), "matmul_tflops": ceiling, "rows": rows}, indent=1))
+        write_atomic(Path(json_path), json.dumps(results, indent=1))
     if plot_path:
-        plot({"versions": versions(), "matmul_tflops": ceiling, "rows": rows}, plot_path)
+        plot(results, plot_path)
         progress(f"plot: {plot_path}")
     return rows
 
@@ -396,7 +395,5 @@ def tune_report(paths: list[str], seqs: list[int], json_path: str | None = None,
         lines.append(f"{row['spec'] + ' N=' + str(row['N']):<34}{cells[0]:>26}{cells[1]:>26}  {'; '.join(tiles)}")
     progress("\n".join(lines))
     if json_path:
-        from .cache import write_atomic
-
         write_atomic(Path(json_path), json.dumps({"versions": versions(), "rows": rows}, indent=1))
     return rows

@@ -135,8 +135,11 @@ def cmd_plot(args) -> int:
         return 1
     try:
         bench.plot(results, args.output)
-    except (RuntimeError, KeyError, TypeError) as err:
-        print(f"attngen plot: {args.results}: {err!r}" if not isinstance(err, RuntimeError) else f"attngen plot: {err}", file=sys.stderr)
+    except RuntimeError as err:  # no matplotlib, no rows
+        print(f"attngen plot: {err}", file=sys.stderr)
+        return 1
+    except (KeyError, TypeError) as err:  # a row without the fields bench writes
+        print(f"attngen plot: {args.results}: malformed row ({err!r})", file=sys.stderr)
         return 1
     print(f"wrote {args.output}")
     return 0
