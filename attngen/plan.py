@@ -78,9 +78,6 @@ def read_grads(spec: Spec) -> tuple[ReadGrad, ...]:
     return tuple(out)
 
 
-DQ_ATOMICS = ("none", "pointer", "descriptor")  # KernelPlan.dq_atomics
-
-
 @dataclass(frozen=True)
 class KernelPlan:
     spec: Spec
@@ -113,18 +110,6 @@ class KernelPlan:
     # engine; needs rows of head_dim * itemsize that are multiples of 16 bytes): measured, not derived
     tma: bool = False
     warp_specialize: bool = False  # the forward's loop over full tiles: tl.range(..., warp_specialize=True)
-    # The backward's dQ. "none": its own kernel, which recomputes P and dP (7 matrix products per tile pair in all;
-    # every sum in a fixed order, so gradients are bit-reproducible). "pointer" / "descriptor": the dK/dV kernel
-    # also adds dS K into a float32 dQ with atomics (5 products; the order of those float32 additions varies from
-    # run to run), through pointer atomics or the copy engine's reduce-add on a tensor descriptor.
-    dq_atomics: str = "none"
-
-    def __post_init__(self):
-        if self.dq_atomics not in DQ_ATOMICS:
-            raise PlanError(f"{self.spec.name}: dq_atomics must be one of {', '.join(DQ_ATOMICS)}, not {self.dq_atomics!r}")
-        if self.dq_atomics != "none" and self.read_grads:
-            raise PlanError(f"{self.spec.name}: the gradients of inputs read in the score come from the dQ kernel, "
-                            "so dQ cannot be accumulated with atomics")
 
     @property
     def dtype(self) -> DType:

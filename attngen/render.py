@@ -152,7 +152,6 @@ def context(plan: KernelPlan) -> dict:
         "pad_d": plan.head_dim_pad != plan.head_dim,
         "tma": plan.tma,
         "warp_specialize": plan.warp_specialize,
-        "dq_atomics": plan.dq_atomics,
         # float32 specs ask for exact float32 products: Triton's default for fp32 dots is TF32 on the GPU.
         "dot_args": ', input_precision="ieee"' if plan.dtype is DType.FP32 else "",
         "inputs": [_Input(i.name, len(i.dims)) for i in spec.inputs],

@@ -160,6 +160,31 @@ def test_tensor_descriptor_loads(name, device, target):
         assert (got.double() - want).abs().max().item() < 1e-4
 
 
+def test_backward_waits_for_its_dq_stream(device, target):
+    """On CUDA the dQ kernel runs on a second stream, alongside dK/dV; the launcher makes the caller's stream wait
+    for it. The shape makes dQ far slower than dK/dV (16 queries and 65536 keys: 16 dQ programs of 4096 key tiles
+    each, against thousands of one-tile dK/dV programs), so a copy of dQ queued on the caller's stream right after
+    the call would catch it half-written if that wait were missing."""
+    if device != "cuda":
+        pytest.skip("streams exist on CUDA only; on the CPU the kernels run one after another")
+    kern = _compile(load_spec((Path(__file__).parent.parent / "specs" / "dense.attn").read_text()), "bf16", target)
+    gen = torch.Generator().manual_seed(4)
+    q, do = (_rand(1, 16, 16, 128, device=device, dtype=torch.bfloat16, gen=gen) for _ in range(2))
+    k, v = (_rand(1, 16, 65536, 128, device=device, dtype=torch.bfloat16, gen=gen) for _ in range(2))
+    o, lse = kern.module.attention_forward(q, k, v)
+    want = kern.module.attention_backward(q, k, v, o, lse, do, None)
+    torch.cuda.synchronize()
+    slow = {**kern.module.TILES, "dq": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}}
+    for tiles in (kern.module.TILES, slow):
+        dq, dk, dv = kern.module.attention_backward(q, k, v, o, lse, do, None, tiles=tiles)
+        early = dq.clone()  # on the caller's stream, at once
+        torch.cuda.synchronize()
+        assert not torch.isnan(dq).any()
+        assert torch.equal(early, dq)
+        assert torch.equal(dk, want[1]) and torch.equal(dv, want[2])
+        assert (dq.float() - want[0].float()).abs().max().item() < 1e-2 * want[0].float().abs().max().item()
+
+
 def test_fully_masked_rows_are_zero_with_minus_inf_lse(device, target):
     spec = load_spec((Path(__file__).parent.parent / "specs" / "key_padding.attn").read_text())
     for loop_order in LoopOrder:
