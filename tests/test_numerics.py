@@ -183,6 +183,10 @@ def test_backward_waits_for_its_dq_stream(device, target):
         assert torch.equal(early, dq)
         assert torch.equal(dk, want[1]) and torch.equal(dv, want[2])
         assert (dq.float() - want[0].float()).abs().max().item() < 1e-2 * want[0].float().abs().max().item()
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))  # and the float64 reference
+    ref_dq, ref_dk = torch.autograd.grad(attngen.reference(kern.spec, q, k, v, dtype=torch.float64), (q, k), do.double())
+    for got, ref in ((want[0], ref_dq), (want[1], ref_dk)):
+        assert (got.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
 
 
 def test_fully_masked_rows_are_zero_with_minus_inf_lse(device, target):
