@@ -37,6 +37,7 @@ VARIANTS = {
     "prefix_tiles_16": "attention v { head_dim = 32 input prefix: int32[B] mask = q_idx >= kv_idx or kv_idx < prefix[b] block_m = 16 block_n = 16 }",
     # masks that read inputs: tiles skipped from the inputs' per-chunk bounds (the pre-pass)
     "document_tiles_16": "attention v { head_dim = 32 input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] and q_idx >= kv_idx block_m = 16 block_n = 16 }",
+    "document_d128": "attention v { head_dim = 128 input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] and q_idx >= kv_idx }",  # 64x64 forward tiles (plan)
     "padding_tiles_16": "attention v { head_dim = 32 input lens: int32[B] mask = kv_idx < lens[b] block_m = 16 block_n = 32 }",
     "bool_tiles_16": "attention v { head_dim = 32 input allowed: bool[B, N] mask = allowed[b, kv_idx] and q_idx >= kv_idx block_m = 16 block_n = 16 }",
     # float inputs read in the score get gradients (checked like dq/dk/dv): a (B, H, Nq, Nk) term buffer for

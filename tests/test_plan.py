@@ -114,3 +114,19 @@ def test_derivative_planned_for_score_mods():
     assert p.dscore is not None
     assert dataclasses.replace(p).dscore == p.dscore
     assert math.isclose(p.scale, 128 ** -0.5)
+
+
+DOCS = "input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] and q_idx >= kv_idx"
+
+
+def test_document_masks_get_small_forward_tiles_on_sm90():
+    """Masks comparing inputs read at q_idx and at kv_idx (packed documents) take the measured 64x64 forward tiles
+    with 4 warps at d=128 on sm_90; one-sided reads (key padding), other targets and explicit tiles keep theirs."""
+    p = plan(_spec(DOCS), "h100")
+    assert (p.block_m, p.block_n, p.num_warps) == (64, 64, 4)
+    assert "forward tiles, measured" in {s.what for s in p.steps}
+    padding = plan(_spec("input lens: int32[B] mask = kv_idx < lens[b]"), "h100")
+    assert (padding.block_m, padding.block_n, padding.num_warps) == (128, 128, 8)
+    for target, d in (("a100", 128), ("h100", 64)):
+        assert plan(_spec(DOCS, d=d), target).tiles()["fwd"] == plan(_spec(d=d), target).tiles()["fwd"]
+    assert (plan(_spec(DOCS + " block_m = 128"), "h100").block_m, plan(_spec(DOCS + " block_n = 128"), "h100").block_n) == (128, 128)
