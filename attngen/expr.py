@@ -168,6 +168,19 @@ def variables(e: Expr) -> frozenset[str]:
     return frozenset().union(*(variables(c) for c in children(e))) if children(e) else frozenset()
 
 
+def input_reads(*exprs: Expr | None) -> list[Index]:
+    """The input reads (Index nodes) of expressions, nested ones included, each distinct read once, in the order
+    of a depth-first walk."""
+    found: list[Index] = []
+    stack = [e for e in exprs if e is not None]
+    while stack:
+        e = stack.pop()
+        stack.extend(children(e))
+        if isinstance(e, Index) and e not in found:
+            found.append(e)
+    return found
+
+
 def children(e: Expr) -> tuple[Expr, ...]:
     if isinstance(e, Unary):
         return (e.operand,)

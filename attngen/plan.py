@@ -54,13 +54,7 @@ def read_grads(spec: Spec) -> tuple[ReadGrad, ...]:
     if spec.score is None:
         return ()
     scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
-    found: list[Index] = []
-    stack = [spec.score]
-    while stack:
-        e = stack.pop()
-        stack.extend(ex.children(e))
-        if isinstance(e, Index) and spec.inputs_by_name[e.input].type is Type.FLOAT and e not in found:
-            found.append(e)
+    found = [e for e in ex.input_reads(spec.score) if spec.inputs_by_name[e.input].type is Type.FLOAT]
     out = []
     for read in found:
         derivative = ex.read_derivative(spec.score, scope, read)
@@ -199,15 +193,8 @@ def compares_rows_and_columns_by_input(mask: Expr | None) -> bool:
     """Whether the mask reads an input at a query index and an input at a key index (documents:
     doc[b, q_idx] == doc[b, kv_idx]): a block structure the compiler cannot see, which leaves partial tiles
     along every block's edges."""
-    sides = set()
-    stack = [mask] if mask is not None else []
-    while stack:
-        e = stack.pop()
-        stack.extend(ex.children(e))
-        if isinstance(e, Index):
-            used = set().union(*(ex.variables(i) for i in e.indices))
-            sides |= used & {"q_idx", "kv_idx"}
-    return sides == {"q_idx", "kv_idx"}
+    sides = set().union(*(ex.variables(i) for read in ex.input_reads(mask) for i in read.indices))
+    return {"q_idx", "kv_idx"} <= sides
 
 
 def effective_mask(spec: Spec) -> Expr | None:

@@ -16,7 +16,7 @@ from . import cache
 from .blocks import block_lists
 from .check import read_spec
 from .errors import InputError
-from .expr import SCORE_VARS, Scope, children
+from .expr import SCORE_VARS, Scope, input_reads
 from .naive import evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
@@ -217,14 +217,10 @@ def _check_device(device: torch.device) -> None:
 def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
     """(input, axis, variable) for every input dimension the spec indexes with a bare b, h, q_idx or kv_idx."""
     found = []
-    stack = [e for e in (effective_mask(spec), spec.score) if e is not None]
-    while stack:
-        e = stack.pop()
-        stack.extend(children(e))
-        if isinstance(e, Index):
-            for axis, idx in enumerate(e.indices):
-                if isinstance(idx, Var) and idx.name in ("b", "h", "q_idx", "kv_idx") and (e.input, axis, idx.name) not in found:
-                    found.append((e.input, axis, idx.name))
+    for e in input_reads(effective_mask(spec), spec.score):
+        for axis, idx in enumerate(e.indices):
+            if isinstance(idx, Var) and idx.name in ("b", "h", "q_idx", "kv_idx") and (e.input, axis, idx.name) not in found:
+                found.append((e.input, axis, idx.name))
     return found
 
 
