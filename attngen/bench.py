@@ -187,12 +187,40 @@ def make_case(spec: Spec, seq: int, tokens: int = 16384, width: int = 2048, seed
     return q, k, v, do, inputs, extra
 
 
-def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0, derived=None) -> dict:
-    """One configuration: B = tokens // seq, H = width // head_dim, every provider that expresses the spec.
-    `derived`: the same spec with the plan's own tiles, timed beside a kernel whose tiles are tuned."""
+def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: int, derived=None) -> tuple[dict, dict]:
+    """The providers that compute `kernel`'s spec at one configuration, name -> fn(q, k, v): attngen (and
+    `derived`, the same spec with the plan's own tiles, when given), FlexAttention with the spec's mask_mod /
+    score_mod and BlockMask (not with dropout or runtime block sparsity), torch SDPA's flash and cuDNN backends
+    where they express the spec. Also {name: {"error": ...}} for a provider that could not be set up."""
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.flex_attention import create_block_mask
 
+    spec = kernel.spec
+    fns = {"attngen": lambda q, k, v: kernel(q, k, v, **extra, **inputs)}
+    if derived is not None:
+        fns["derived"] = lambda q, k, v: derived(q, k, v, **extra, **inputs)
+    failed = {}
+    if not spec.dropout and spec.sparsity != "runtime":
+        mask_mod, score_mod = flex_mods(spec, inputs, seq, seq)
+        try:  # the BlockMask, built once (not timed), per batch entry / head only if the mask uses b / h
+            bm = None
+            if mask_mod is not None:
+                uses = variables(effective_mask(spec))
+                bm = create_block_mask(mask_mod, batch if "b" in uses else None, heads if "h" in uses else None, seq, seq,
+                                       device="cuda", _compile=True)
+            fns["flex"] = lambda q, k, v: flex()(q, k, v, score_mod=score_mod, block_mask=bm)
+        except Exception as exc:  # reported in the table like a provider that fails its check
+            failed["flex"] = {"error": f"create_block_mask: {type(exc).__name__}: {exc}"[:300]}
+    causal = sdpa_variant(spec)
+    if causal is not None:
+        fns["sdpa_flash"] = lambda q, k, v: sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal)
+        fns["sdpa_cudnn"] = lambda q, k, v: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)
+    return fns, failed
+
+
+def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0, derived=None) -> dict:
+    """One configuration: B = tokens // seq, H = width // head_dim, every provider that expresses the spec.
+    `derived`: the same spec with the plan's own tiles, timed beside a kernel whose tiles are tuned."""
     spec = kernel.spec
     d = spec.head_dim
     q, k, v, do, inputs, extra = make_case(spec, seq, tokens, width, seed)
@@ -209,26 +237,9 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
     def error_of(out):
         return (out[:1, :2].float() - want).abs().max().item()
 
-    providers = {"attngen": lambda q, k, v: kernel(q, k, v, **extra, **inputs)}
-    if derived is not None:
-        providers["derived"] = lambda q, k, v: derived(q, k, v, **extra, **inputs)
-    row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dtype": spec.dtype.value, "kept": kept}
-    if not spec.dropout and spec.sparsity != "runtime":
-        mask_mod, score_mod = flex_mods(spec, inputs, seq, seq)
-        try:  # the BlockMask, built once (not timed), per batch entry / head only if the mask uses b / h
-            bm = None
-            if mask_mod is not None:
-                uses = variables(effective_mask(spec))
-                bm = create_block_mask(mask_mod, batch if "b" in uses else None, heads if "h" in uses else None, seq, seq,
-                                       device="cuda", _compile=True)
-            providers["flex"] = lambda q, k, v: flex()(q, k, v, score_mod=score_mod, block_mask=bm)
-        except Exception as exc:  # reported in the table like a provider that fails its check
-            row["flex"] = {"error": f"create_block_mask: {type(exc).__name__}: {exc}"[:300]}
-    causal = sdpa_variant(spec)
-    if causal is not None:
-        providers["sdpa_flash"] = lambda q, k, v: sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal)
-        providers["sdpa_cudnn"] = lambda q, k, v: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)
-    for name, fn in providers.items():
+    fns, failed = providers(kernel, seq, inputs, extra, batch, heads, derived)
+    row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dtype": spec.dtype.value, "kept": kept} | failed
+    for name, fn in fns.items():
         row[name] = measure(name, fn, q, k, v, do, error_of, fwd_flop)
     return row
 

@@ -33,12 +33,10 @@ STALLS = ["long_scoreboard", "short_scoreboard", "barrier", "wait", "math_pipe_t
 def run_providers(specs, dims, seqs):
     """Warm every provider up, then one forward and one forward + backward each between profiler start/stop."""
     import torch
-    from torch.nn.attention import SDPBackend
 
     from attngen import compile as attn_compile
-    from attngen.bench import flex, flex_mods, make_case, sdpa, sdpa_variant
+    from attngen.bench import make_case, providers
     from harness import shipped_spec
-    from torch.nn.attention.flex_attention import create_block_mask
 
     for name in specs:
         for d in dims:
@@ -46,14 +44,11 @@ def run_providers(specs, dims, seqs):
             kern = attn_compile(spec)
             for n in seqs:
                 q, k, v, do, inputs, extra = make_case(spec, n)
-                mask_mod, _ = flex_mods(spec, inputs, n, n)
-                bm = create_block_mask(mask_mod, None, None, n, n, device="cuda") if mask_mod is not None else None
-                providers = {"attngen": lambda q, k, v: kern(q, k, v),
-                             "flex": lambda q, k, v: flex()(q, k, v, block_mask=bm)}
-                causal = sdpa_variant(spec)
-                if causal is not None:
-                    providers["cudnn"] = lambda q, k, v: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)
-                for pname, fn in providers.items():
+                fns, _ = providers(kern, n, inputs, extra, *q.shape[:2])
+                for pname in ("attngen", "flex", "sdpa_cudnn"):
+                    fn = fns.get(pname)
+                    if fn is None:
+                        continue
                     for _ in range(3):
                         torch.autograd.grad(fn(q, k, v), (q, k, v), do)
                     torch.cuda.synchronize()

@@ -35,6 +35,23 @@ def test_flex_twin_matches_the_reference(name):
     assert (out.double() - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("head_dim = 32", {"attngen", "flex", "sdpa_flash", "sdpa_cudnn"}),
+    ("head_dim = 32 score = 30.0 * tanh(score / 30.0)", {"attngen", "flex"}),  # a score modification: no SDPA
+    ("head_dim = 32 dropout = 0.1", {"attngen"}),  # FlexAttention has no dropout; SDPA's pattern differs
+    ("head_dim = 32 sparsity = runtime sparse_block = 64", {"attngen"}),
+])
+def test_providers_of_a_spec(text, expected):
+    """The providers attngen bench (and benchmarks/profile_kernels.py) time for a spec, built without running any
+    (no mask here: a BlockMask is built on the GPU)."""
+
+    class Kernel:  # only .spec is read before a provider is called
+        spec = load_spec(f"attention t {{ {text} }}")
+
+    fns, failed = bench.providers(Kernel(), 128, {}, {}, 1, 2)
+    assert set(fns) == expected and failed == {}
+
+
 def test_sdpa_only_where_it_computes_the_spec():
     variant = {name: bench.sdpa_variant(load_spec((ROOT / "specs" / f"{name}.attn").read_text(), name))
                for name in ("dense", "causal", "sliding_window", "causal_softcap", "document", "causal_dropout")}
