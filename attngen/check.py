@@ -9,7 +9,8 @@ from pathlib import Path
 
 from . import expr as ex
 from .errors import AttngenError, SpecError
-from .spec import Const, DType, Expr, InputDecl, INPUT_DTYPES, LoopOrder, Spec, Type, Unary, Var
+from .ranges import INT32, INT64, integer_range, within
+from .spec import Binary, Call, Const, DType, Expr, InputDecl, INPUT_DTYPES, LoopOrder, Spec, Type, Unary, Var
 from .syntax import ParsedSpec, Setting, parse
 from .targets import TARGETS
 
@@ -101,8 +102,55 @@ def _check_input(decl: InputDecl) -> None:
             raise SpecError(f"bad dimension name {d!r}", decl.span)
 
 
+def _check_arithmetic(e: Expr, scope: ex.Scope) -> None:
+    """Refuse what has no value: a divisor that is always 0 (a constant zero, before folding hides where it
+    was), and integer arithmetic that could leave int64 (ranges.py: index variables below 2**30, input reads
+    anywhere in their element type). Innermost offender first."""
+    for child in ex.children(e):
+        _check_arithmetic(child, scope)
+    if isinstance(e, Binary) and e.op in ("/", "//", "%"):
+        divisor = ex.fold(e.rhs, scope)
+        if isinstance(divisor, Const) and divisor.value == 0:
+            raise SpecError(f"division by zero: the divisor of `{e.op}` is always 0", e.rhs.span or e.span)
+    if isinstance(e, (Const, Unary, Binary, Call)) and not ex.variables(e) and ex.typeof(e, scope) is not Type.BOOL:
+        _check_constant(e, scope)
+    if isinstance(e, (Unary, Binary, Call)) and ex.typeof(e, scope) is Type.INT:
+        lo, hi = integer_range(e, scope.inputs)
+        if not within((lo, hi), INT64):
+            reads = [f"{r.input} ({scope.inputs[r.input].dtype})" for r in ex.input_reads(e)]
+            why = f"index variables go up to 2**30, and {', '.join(reads)} may hold any value of its type" if reads else \
+                "index variables and lengths go up to 2**30"
+            raise SpecError(f"integer overflow: `{ex.format_expr(e)}` can reach {_power_of_two(lo if lo < INT64[0] else hi)}, "
+                            f"beyond 64-bit integers ({why}); rewrite it, or declare narrower inputs", e.span)
+
+
+FLOAT32_MAX = (2 - 2**-23) * 2**127
+FLOAT32_TINY = 2**-126  # the smallest normal float32
+
+
+def _check_constant(e: Expr, scope: ex.Scope) -> None:
+    """A constant expression is folded at compile time and becomes a literal of the kernel: it must have a value,
+    and that value must be what the kernels and the reference both take it for: an int32, or 0.0 or a normal
+    float32 (Triton types larger integers as unsigned or int64, and larger, smaller or NaN floats as float64)."""
+    value = ex.fold(e, scope)
+    text = ex.format_expr(e)
+    if not isinstance(value, Const):
+        raise SpecError(f"constant expression `{text}` has no value (it overflows, or leaves its function's domain)", e.span)
+    if value.type is Type.INT and not within((value.value, value.value), INT32):
+        raise SpecError(f"constant expression `{text}` is {value.value}, which does not fit in 32 bits", e.span)
+    if value.type is Type.FLOAT and value.value != 0 and not FLOAT32_TINY <= abs(value.value) <= FLOAT32_MAX:
+        raise SpecError(f"constant expression `{text}` is {value.value!r}, outside float32's range (the kernels compute "
+                        f"in float32; nonzero magnitudes from {FLOAT32_TINY:.4g} to {FLOAT32_MAX:.4g})", e.span)
+
+
+def _power_of_two(n: int) -> str:
+    """n as about +-2**k, for messages."""
+    return f"{'-' if n < 0 else ''}2**{abs(n).bit_length() - 1}" if abs(n) > 2**20 else str(n)
+
+
 def _expression(s: Setting, scope: ex.Scope, want: Type) -> Expr:
     t = ex.typeof(s.value, scope)
+    _check_arithmetic(s.value, scope)
     if want is Type.BOOL and t is not Type.BOOL:
         raise SpecError(f"{s.key} must be a boolean expression (e.g. q_idx >= kv_idx), got {t.value}", s.value.span)
     if want is Type.FLOAT and t is Type.BOOL:

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import SpecError
+from .ranges import INT32, integer_range, may_be_zero, within
 from .spec import ARITH_OPS, BIT_OPS, COMPARE_OPS, Binary, Call, Const, Expr, Index, InputDecl, Type, Unary, Var
 
 # Variables of the language, with their type. Which ones an expression may use depends on the setting.
@@ -33,8 +34,6 @@ FUNCTIONS = {
     "sigmoid": (1, 1),
 }
 FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt", "sigmoid")
-
-INT32_MAX = 2**31 - 1
 
 
 # ---- typing ---------------------------------------------------------------------------------------
@@ -60,7 +59,7 @@ def typeof(e: Expr, scope: Scope) -> Type:
     if isinstance(e, Const):
         if e.type is Type.FLOAT and not math.isfinite(e.value):
             raise SpecError(f"number {e.value!r} is not finite", e.span)
-        if e.type is Type.INT and abs(e.value) > INT32_MAX:
+        if e.type is Type.INT and not within((e.value, e.value), INT32):
             raise SpecError(f"integer {e.value} does not fit in 32 bits", e.span)
         return e.type
     if isinstance(e, Var):
@@ -218,11 +217,18 @@ def _const(value, t: Type) -> Const:
 
 
 def _floordiv(a, b):
-    return a // b if not (isinstance(a, float) or isinstance(b, float)) else float(math.floor(a / b))
+    """The language's `//`: integers round toward -inf and a // 0 = 0; floats are floor(a / b) (IEEE: a // 0.0
+    is +-inf or NaN), as the kernels compute them (Python's float // differs in the last place)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return float(math.floor(a / b))
+    return a // b if b != 0 else 0
 
 
 def _pymod(a, b):
-    return a % b
+    """The language's `%`: integers take the divisor's sign and a % 0 = a; floats are a - floor(a / b) * b."""
+    if isinstance(a, float) or isinstance(b, float):
+        return a - math.floor(a / b) * b
+    return a % b if b != 0 else a
 
 
 _FOLD_BINARY = {
@@ -261,15 +267,17 @@ def _is_const(e: Expr, value=None) -> bool:
     return isinstance(e, Const) and (value is None or (e.type is not Type.BOOL and e.value == value))
 
 
-def fold(e: Expr, scope: Scope) -> Expr:
-    """Constant-fold `e` and apply identities that keep its type and value (x*1, x+0, true and x, ...).
+def fold(e: Expr, scope: Scope, *, derivative: bool = False) -> Expr:
+    """Constant-fold `e` and apply identities that keep its type and value (x*1, x-0, true and x, ...).
 
     Folding never changes meaning: operations that would fail at fold time (log of a negative
-    constant, division by zero) are left as they are.
+    constant, division by zero) are left as they are, and on floats only identities that IEEE arithmetic
+    keeps for every value are used (x + 0.0 would turn -0.0 into 0.0, x * 0.0 an infinity into 0), except in a
+    derivative (`derivative=True`), where a term without `score` contributes exactly 0 and x + 0 is x.
     """
     t = typeof(e, scope)
     if isinstance(e, Unary):
-        a = fold(e.operand, scope)
+        a = fold(e.operand, scope, derivative=derivative)
         if isinstance(a, Const):
             return _const((not a.value) if e.op == "not" else -a.value, t)
         if isinstance(a, Unary) and a.op == e.op:
@@ -277,11 +285,13 @@ def fold(e: Expr, scope: Scope) -> Expr:
         return Unary(e.op, a, span=e.span)
     if isinstance(e, Binary):
         if e.op in ("&", "|") and t is Type.BOOL:  # the boolean spellings of `and` and `or`
-            return fold(Binary("and" if e.op == "&" else "or", e.lhs, e.rhs, span=e.span), scope)
-        a, b = fold(e.lhs, scope), fold(e.rhs, scope)
+            return fold(Binary("and" if e.op == "&" else "or", e.lhs, e.rhs, span=e.span), scope, derivative=derivative)
+        a, b = fold(e.lhs, scope, derivative=derivative), fold(e.rhs, scope, derivative=derivative)
         if isinstance(a, Const) and isinstance(b, Const):
             try:
-                return _const(_FOLD_BINARY[e.op](a.value, b.value), t)
+                value = _FOLD_BINARY[e.op](a.value, b.value)
+                if not (isinstance(value, float) and not math.isfinite(value)):  # literals are finite: leave it to run time
+                    return _const(value, t)
             except (ZeroDivisionError, OverflowError, ValueError):
                 pass
         if e.op == "and":
@@ -294,7 +304,8 @@ def fold(e: Expr, scope: Scope) -> Expr:
                     return _const(True, Type.BOOL) if x.value else y
         # Arithmetic identities are applied only where they keep the type (int + 0.0 is a float).
         same_type = lambda x: typeof(x, scope) is t  # noqa: E731
-        if e.op == "+":
+        signed_zero_safe = t is Type.INT or derivative  # -0.0 + 0.0 is 0.0; 0.0 - 0.0 is 0.0, not -0.0
+        if e.op == "+" and signed_zero_safe:
             if _is_const(a, 0) and same_type(b):
                 return b
             if _is_const(b, 0) and same_type(a):
@@ -302,7 +313,7 @@ def fold(e: Expr, scope: Scope) -> Expr:
         if e.op == "-":
             if _is_const(b, 0) and same_type(a):
                 return a
-            if _is_const(a, 0) and same_type(b):
+            if _is_const(a, 0) and same_type(b) and signed_zero_safe:
                 return Unary("-", b)
         if e.op == "*":
             if _is_const(a, 1) and same_type(b):
@@ -311,25 +322,27 @@ def fold(e: Expr, scope: Scope) -> Expr:
                 return a
         if e.op == "/" and _is_const(b, 1) and same_type(a):
             return a
-        # x * 0 and 0 / x are 0 for the finite values these expressions take; this is what makes the
-        # derivative of a term that does not involve `score` vanish.
-        if t is Type.FLOAT and ((e.op == "*" and (_is_const(a, 0) or _is_const(b, 0))) or (e.op == "/" and _is_const(a, 0))):
+        # In a derivative, x * 0 and 0 / x are 0: the term does not involve `score`, so it contributes nothing
+        # (IEEE would say NaN where x is infinite; a spec's own expressions keep IEEE's answer).
+        if t is Type.FLOAT and derivative and ((e.op == "*" and (_is_const(a, 0) or _is_const(b, 0))) or (e.op == "/" and _is_const(a, 0))):
             return _const(0.0, Type.FLOAT)
         return Binary(e.op, a, b, span=e.span)
     if isinstance(e, Call):
-        args = tuple(fold(x, scope) for x in e.args)
+        args = tuple(fold(x, scope, derivative=derivative) for x in e.args)
         if e.func == "where" and isinstance(args[0], Const):
             chosen = args[1] if args[0].value else args[2]
             if typeof(chosen, scope) is t:
                 return chosen
         if all(isinstance(x, Const) for x in args) and e.func in _FOLD_CALL:
             try:
-                return _const(_FOLD_CALL[e.func](*(x.value for x in args)), t)
+                value = _FOLD_CALL[e.func](*(x.value for x in args))
+                if not (isinstance(value, float) and not math.isfinite(value)):
+                    return _const(value, t)
             except (ValueError, OverflowError):
                 pass
         return Call(e.func, args, span=e.span)
     if isinstance(e, Index):
-        return Index(e.input, tuple(fold(x, scope) for x in e.indices), span=e.span)
+        return Index(e.input, tuple(fold(x, scope, derivative=derivative) for x in e.indices), span=e.span)
     return e
 
 
@@ -344,13 +357,13 @@ def derivative(e: Expr, scope: Scope, wrt: str = "score") -> Expr:
     Conventions where the function has no derivative: floor division and `%` treat the quotient as
     piecewise constant; abs'(0) = 0; at ties, min/max take the gradient of the first argument.
     """
-    return fold(_d(e, scope, wrt), scope)
+    return fold(_d(e, scope, wrt), scope, derivative=True)
 
 
 def read_derivative(e: Expr, scope: Scope, read: Index) -> Expr:
     """d e / d read, where `read` is one input element read (e.g. bias[h, q_idx, kv_idx]): the gradient of a
     score with respect to an input it reads. Same conventions as `derivative`."""
-    return fold(_d(e, scope, read), scope)
+    return fold(_d(e, scope, read), scope, derivative=True)
 
 
 def _contains(e: Expr, node: Expr) -> bool:
@@ -492,12 +505,15 @@ _PY_PREC = {"|": 3, "^": 4, "&": 5, "cmp": 2, "+": 7, "-": 7, "*": 8, "/": 8, "/
 _PY_UNARY = 9
 _PY_ATOM = 10
 
+# Variables that are tiles in every kernel (the others, b, h and the lengths, are one value per program).
+_BLOCK_VARS = frozenset(("q_idx", "kv_idx", "score"))
+
 # Helper functions a lowering may need; the template emits the ones used, from this table.
 HELPERS = {
     "_floordiv": (
         "@triton.jit\n"
         "def _floordiv(a, b):\n"
-        '    """Python\'s a // b (rounds toward -inf) for integers of any sign."""\n'
+        '    """Python\'s a // b (rounds toward -inf) for integers of any sign; b != 0."""\n'
         "    q = a // b\n"
         "    r = a % b\n"
         "    return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)\n"
@@ -505,9 +521,28 @@ HELPERS = {
     "_mod": (
         "@triton.jit\n"
         "def _mod(a, b):\n"
-        '    """Python\'s a % b (the sign of b) for integers of any sign."""\n'
+        '    """Python\'s a % b (the sign of b) for integers of any sign; b != 0."""\n'
         "    r = a % b\n"
         "    return r + b * ((r != 0) & ((r < 0) != (b < 0))).to(r.dtype)\n"
+    ),
+    "_floordiv_or_0": (
+        "@triton.jit\n"
+        "def _floordiv_or_0(a, b):\n"
+        '    """a // b rounding toward -inf, and a // 0 = 0 (the language\'s definition: never undefined)."""\n'
+        "    d = tl.where(b == 0, 1, b)\n"
+        "    q = a // d\n"
+        "    r = a % d\n"
+        "    q = q - ((r != 0) & ((r < 0) != (d < 0))).to(q.dtype)\n"
+        "    return tl.where(b == 0, 0, q)\n"
+    ),
+    "_mod_or_a": (
+        "@triton.jit\n"
+        "def _mod_or_a(a, b):\n"
+        '    """a % b with the sign of b, and a % 0 = a (so a == (a // b) * b + a % b always holds)."""\n'
+        "    d = tl.where(b == 0, 1, b)\n"
+        "    r = a % d\n"
+        "    r = r + d * ((r != 0) & ((r < 0) != (d < 0))).to(r.dtype)\n"
+        "    return tl.where(b == 0, a, r)\n"
     ),
     "_tanh": (
         "@triton.jit\n"
@@ -628,11 +663,15 @@ class Lowerer:
                     code = self._temp(i, f"{e.input}_index", code[0])
                 indices.append((self._paren(code, _PY_ATOM), nonnegative(i)))
             load = access.load(indices)
+            if self.scope.inputs[e.input].dtype in ("int8", "int16"):  # arithmetic on them happens in int32 or wider
+                load = f"{load}.to(tl.int32)"
             return self._temp(e, e.input, load)
         if isinstance(e, Unary):
             if e.op == "not":
                 return f"~{self._paren(self._lower(e.operand), _PY_UNARY)}", _PY_UNARY
-            return f"-{self._paren(self._lower(e.operand), _PY_UNARY)}", _PY_UNARY
+            if t is Type.FLOAT:  # Triton's unary minus is 0 - x, which maps 0.0 to 0.0; the product flips every sign
+                return f"{self._paren(self._lower(e.operand), _PY_PREC['*'])} * -1.0", _PY_PREC["*"]
+            return f"-{self._paren(self._int_operand(e.operand, self._wide(e, t)), _PY_UNARY)}", _PY_UNARY
         if isinstance(e, Binary):
             return self._lower_binary(e, t)
         if isinstance(e, Call):
@@ -652,15 +691,26 @@ class Lowerer:
             prec = _PY_PREC["cmp"]
             lhs = self._paren(self._lower_as(e.lhs, common), prec + 1)
             rhs = self._paren(self._lower_as(e.rhs, common), prec + 1)
+            if not (_BLOCK_VARS & (variables(e.lhs) | variables(e.rhs))):
+                # One value per program (slopes[h] > 0.0, b < q_len): Triton 3.6's interpreter stores such a
+                # comparison in its operands' type, which breaks `&`, `|` and `~` with boolean tiles on the CPU.
+                # The select gives it boolean storage; on the GPU it is free.
+                return f"tl.where({lhs} {e.op} {rhs}, True, False)", _PY_ATOM
             return f"{lhs} {e.op} {rhs}", prec
-        operand_type = Type.FLOAT if e.op == "/" else t
-        if e.op in ("//", "%") and t is Type.INT:
-            if nonnegative(e.lhs) and _positive_const(e.rhs):
-                prec = _PY_PREC[e.op]  # both signs known: C's truncation equals Python's floor
-            else:
-                helper = "_floordiv" if e.op == "//" else "_mod"
+        if t is Type.INT:  # + - * // % on integers: int32 where the result provably fits, else int64
+            wide = self._wide(e, t)
+            lhs, rhs = self._int_operand(e.lhs, wide), self._int_operand(e.rhs, wide)
+            if e.op in ("//", "%") and not (nonnegative(e.lhs) and _positive_const(e.rhs)):
+                if may_be_zero(integer_range(e.rhs, self.scope.inputs)):
+                    helper = "_floordiv_or_0" if e.op == "//" else "_mod_or_a"  # a // 0 = 0, a % 0 = a
+                else:
+                    helper = "_floordiv" if e.op == "//" else "_mod"  # signs unknown: Python's floor semantics
                 self.helpers.add(helper)
-                return f"{helper}({self._lower(e.lhs)[0]}, {self._lower(e.rhs)[0]})", _PY_ATOM
+                return f"{helper}({lhs[0]}, {rhs[0]})", _PY_ATOM
+            # (// and % of a non-negative value by a positive constant: C's truncation equals Python's floor)
+            prec = _PY_PREC[e.op]
+            return f"{self._paren(lhs, prec)} {e.op} {self._paren(rhs, prec + 1)}", prec
+        operand_type = Type.FLOAT if e.op == "/" else t
         if e.op in ("//", "%") and t is Type.FLOAT:
             a = self._paren(self._lower_as(e.lhs, Type.FLOAT), _PY_PREC["/"])
             b = self._paren(self._lower_as(e.rhs, Type.FLOAT), _PY_PREC["/"] + 1)
@@ -673,19 +723,32 @@ class Lowerer:
         rhs = self._paren(self._lower_as(e.rhs, operand_type), prec + 1)
         return f"{lhs} {e.op} {rhs}", prec
 
+    def _wide(self, e: Expr, t: Type) -> bool:
+        """Whether an integer operation must run in int64: its result may not fit int32 (ranges.py)."""
+        return t is Type.INT and not within(integer_range(e, self.scope.inputs), INT32)
+
+    def _int_operand(self, e: Expr, wide: bool) -> tuple[str, int]:
+        """An integer operand, converted to int64 for a wide operation (constants and int64 values as they are)."""
+        code = self._lower(e)
+        if not wide or not variables(e) or not within(integer_range(e, self.scope.inputs), INT32):  # constants: Python ints
+            return code
+        return f"{self._paren(code, _PY_ATOM)}.to(tl.int64)", _PY_ATOM
+
     def _lower_call(self, e: Call, t: Type) -> tuple[str, int]:
         if e.func in ("min", "max"):
             fn = "tl.minimum" if e.func == "min" else "tl.maximum"
+            # NaN wins, as in torch.minimum/maximum (the GPU's plain min.f32 would return the other operand)
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if t is Type.FLOAT else ""
             code = self._lower_as(e.args[0], t)[0]
             for a in e.args[1:]:
-                code = f"{fn}({code}, {self._lower_as(a, t)[0]})"
+                code = f"{fn}({code}, {self._lower_as(a, t)[0]}{nan})"
             return code, _PY_ATOM
         if e.func == "where":
             cond = self._lower(e.args[0])[0]
             a, b = (self._lower_as(x, t)[0] for x in e.args[1:])
             return f"tl.where({cond}, {a}, {b})", _PY_ATOM
         if e.func == "abs":
-            return f"tl.abs({self._lower(e.args[0])[0]})", _PY_ATOM
+            return f"tl.abs({self._int_operand(e.args[0], self._wide(e, t))[0]})", _PY_ATOM
         arg = self._lower_as(e.args[0], Type.FLOAT)[0]
         if e.func == "tanh":
             self.helpers.add("_tanh")

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from .expr import _FOLD_BINARY, nonnegative, typeof
+from .ranges import INT32, integer_range, within
 from .expr import variables as _variables
 from .spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
 
@@ -358,8 +359,8 @@ class InputBounds:
 @dataclass
 class TileClassCode:
     """Triton statements computing, for a vector of tiles, whether the mask can be false (`may_drop`) and
-    whether it can be true (`may_keep`). Integer arithmetic only: every bound is exact in int32 (index
-    variables) or in the input's own integer type (input reads, used only as comparison operands)."""
+    whether it can be true (`may_keep`). Integer arithmetic only, and every bound exact: index arithmetic in
+    int32 where its range fits (ranges.py), else int64; input reads (only comparison operands) as int64."""
 
     stmts: list[str]
     may_drop: str
@@ -470,10 +471,10 @@ class _TileLowerer:
         if isinstance(e, Index):
             return None  # see read(): only comparison operands
         if isinstance(e, Unary):
-            a = self.number(e.operand)
+            a = self._operand(e.operand, e)
             return None if a is None else (self._new(f"-{a[1]}"), self._new(f"-{a[0]}"))
         if isinstance(e, Binary):
-            a, b = self.number(e.lhs), self.number(e.rhs)
+            a, b = self._operand(e.lhs, e), self._operand(e.rhs, e)
             if a is None or b is None:
                 return None
             if e.op == "+":
@@ -509,7 +510,7 @@ class _TileLowerer:
                     lo, hi = self._new(f"{fn}({lo}, {x[0]})"), self._new(f"{fn}({hi}, {x[1]})")
                 return lo, hi
             if e.func == "abs":
-                a = self.number(e.args[0])
+                a = self._operand(e.args[0], e)
                 if a is None:
                     return None
                 lo = self._new(f"tl.where({a[0]} >= 0, {a[0]}, tl.where({a[1]} <= 0, -{a[1]}, 0))")
@@ -525,6 +526,14 @@ class _TileLowerer:
                 hi = self._new(f"tl.where(~{c[0]}, {a[1]}, tl.where(~{c[1]}, {b[1]}, tl.maximum({a[1]}, {b[1]})))")
                 return lo, hi
         return None
+
+    def _operand(self, e: Expr, parent: Expr):
+        """number(e), as int64 where the parent's value may not fit int32 (the same rule as the kernels' own
+        arithmetic, expr.Lowerer._wide): the bounds are exact integers either way."""
+        r = self.number(e)
+        if r is None or not _variables(e) or within(integer_range(parent, self.scope.inputs), INT32):
+            return r
+        return tuple(x if _is_int_literal(x) else self._new(f"{x}.to(tl.int64)") for x in r)
 
     def _bitwise(self, e: Binary, a: tuple[str, str], b: tuple[str, str]):
         """As intervals._bitwise: the exact value where both sides are one value in this tile, else bounds from
@@ -575,6 +584,10 @@ class _TileLowerer:
             overlap = self._new(f"({ahi} >= {blo}) & ({bhi} >= {alo})")
             return (self._new(f"~{same_point}"), overlap) if e.op == "==" else (overlap, self._new(f"~{same_point}"))
         return unknown
+
+
+def _is_int_literal(code: str) -> bool:
+    return code.lstrip("-").isdigit()
 
 
 def lower_tile_class(mask: Expr, scope) -> TileClassCode | None:

@@ -23,7 +23,9 @@ def _tensor(x, fdtype: torch.dtype) -> torch.Tensor:
 
 def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype):
     """Value of an expression with torch: `env` maps variables to tensors or numbers, `inputs` names to tensors.
-    Python semantics throughout (floor division, remainder with the divisor's sign, true division)."""
+    The language's semantics (attngen/ranges.py): exact integers (int64 here), floor division and a remainder
+    with the divisor's sign, a // 0 = 0 and a % 0 = a; true division; on floats a // b = floor(a / b) and
+    a % b = a - floor(a / b) * b, IEEE at b = 0; min and max propagate NaN."""
     if isinstance(e, Const):
         return e.value
     if isinstance(e, Var):
@@ -40,6 +42,8 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
         val = t[tuple(clamped)]
         if val.dtype.is_floating_point:
             val = val.to(fdtype)
+        elif val.dtype != torch.bool:
+            val = val.long()  # integer arithmetic is exact: int64 holds every value a checked spec computes
         return torch.where(valid, val, torch.zeros((), dtype=val.dtype, device=val.device))  # outside the tensor: 0
     if isinstance(e, Unary):
         a = evaluate(e.operand, env, inputs, scope, fdtype)
@@ -59,12 +63,17 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
         if op == "/":
             return _tensor(a, fdtype).to(fdtype) / _tensor(b, fdtype).to(fdtype)
         if op in ("//", "%"):
-            is_int = typeof(e, scope) is Type.INT
             ta, tb = _tensor(a, fdtype), _tensor(b, fdtype)
-            if not is_int:
+            if typeof(e, scope) is not Type.INT:  # floats: floor(a / b) and a - floor(a / b) * b (IEEE at b = 0)
                 ta, tb = ta.to(fdtype), tb.to(fdtype)
-            q = torch.div(ta, tb, rounding_mode="floor")
-            return q if op == "//" else ta - q * tb  # Python semantics: floor, remainder with the divisor's sign
+                q = torch.floor(ta / tb)
+                return q if op == "//" else ta - q * tb
+            # integers: floor division, remainder with the divisor's sign; a // 0 = 0 and a % 0 = a
+            zero = tb == 0
+            q = torch.div(ta, torch.where(zero, torch.ones_like(tb), tb), rounding_mode="floor")
+            if op == "//":
+                return torch.where(zero, torch.zeros_like(q), q)
+            return torch.where(zero, ta, ta - q * tb)
         return {
             "+": lambda: a + b,
             "-": lambda: a - b,
@@ -171,10 +180,12 @@ def _softmax(spec, q, k, dtype, inputs):
             raise ValueError(f"{spec.name} has sparsity = runtime: pass the kernel's block_mask= to the reference")
         keep = blocks.expand(inputs["block_mask"].to(dev), spec.sparse_block, Nq, Nk).expand(B, Hq, Nq, Nk)
         score = score.masked_fill(~keep, float("-inf"))
-    # softmax with rows that keep nothing giving 0 (and no NaN in value or gradient)
-    row_max = score.amax(dim=-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    # softmax with rows that keep nothing giving 0 (and no NaN in value or gradient); a kept score of +inf or NaN
+    # makes its row's P, and so its output and log-sum-exp, NaN (as in the kernels: inf - inf)
+    raw_max = score.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(raw_max), raw_max, torch.zeros_like(raw_max))
     e = torch.exp(score - row_max)
     denom = e.sum(dim=-1, keepdim=True)
     p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
-    return p, (row_max + torch.log(denom)).squeeze(-1)
+    lse = torch.where(raw_max == float("inf"), torch.full_like(denom, float("nan")), row_max + torch.log(denom))
+    return p, lse.squeeze(-1)

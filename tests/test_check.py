@@ -5,6 +5,7 @@ import pytest
 
 from attngen.check import load_spec
 from attngen.errors import SpecError
+from attngen.expr import format_expr
 from attngen.spec import Binary, Const, DType, LoopOrder, Type, Var
 
 SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
@@ -26,8 +27,16 @@ def test_defaults_and_values():
 
 
 def test_identity_expressions_fold_away():
-    spec = load_spec("attention t { head_dim = 64 mask = true or q_idx > 3 score = score * 1.0 + 0.0 }")
+    spec = load_spec("attention t { head_dim = 64 mask = true or q_idx > 3 score = score * 1.0 - 0.0 }")
     assert spec.mask is None and spec.score is None
+
+
+def test_float_folding_keeps_ieee_values():
+    """score + 0.0 turns -0.0 into 0.0 and score * 0.0 turns an infinity into NaN: not identities on floats,
+    so they stay (the kernel and the reference then compute the same thing); on integers x + 0 folds."""
+    spec = load_spec("attention t { head_dim = 64 mask = q_idx + 0 >= kv_idx score = score + 0.0 * score }")
+    assert format_expr(spec.mask) == "q_idx >= kv_idx"
+    assert format_expr(spec.score) == "score + 0.0 * score"
 
 
 def test_constants_fold():

@@ -3,11 +3,12 @@ lowered Triton code computes what the independent torch evaluator (attngen.naive
 import importlib.util
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from strategies import bool_exprs, float_exprs, int_exprs
+from strategies import EDGE_INPUTS, bool_exprs, edge_bool_exprs, edge_float_exprs, edge_int_exprs, float_exprs, int_exprs
 
 from attngen import expr as ex
 from attngen.naive import evaluate
@@ -208,3 +209,144 @@ def test_nonnegative_is_sound_on_examples():
         if ex.nonnegative(e):
             assert (value >= 0).all(), text
     assert not ex.nonnegative(parse("attention t { mask = q_len - q_idx }").settings[0].value)
+
+
+# ---- edge values: the lowered kernel code and the reference agree exactly -------------------------------------
+# Index variables near their largest values (2**30 - 1), inputs holding their types' extremes, NaN and infinities,
+# divisors that are zero at some points. Integers and booleans must be equal; floats from IEEE-exact operations
+# equal bit for bit (same NaNs, same infinities) against the float32 reference, both given the expression with its
+# constant parts folded (folding is checked on its own above). Expressions the check refuses
+# (integer overflow past int64, a constant zero divisor) are skipped: no kernel is built for them.
+EDGE_SCOPE = ex.Scope("score", ex.SCORE_VARS, {n: InputDecl(n, t, ("N",)) for n, t in EDGE_INPUTS.items()})
+_BIG = 2**30 - 1
+EDGE_Q = [0, 1, 2, 3, 5, 16, 2**15 - 1, 2**15, 2**16 + 1, 2**24 + 1, 2**28, 2**29 + 3, _BIG - 64, _BIG - 1, _BIG, 1000]
+EDGE_FLOATS = [0.0, -0.0, 1.0, -1.0, 2.5, -3.75, 1e30, -1e30, 3e38, -3e38, float("inf"), float("-inf"), float("nan"), 1e-30, 88.75, -104.5]
+EDGE_DATA = {
+    "i8": [-128, 127, 0, -1, 1, 2, -2, 100, -100, 64, 3, -3, 7, 0, 1, -128],
+    "i32": [-(2**31), 2**31 - 1, 0, -1, 1, 2, -2, 2**30, -(2**30), 65536, 3, -3, 7, 0, 1, -(2**31) + 1],
+    "i64": [-(2**63), 2**63 - 1, 0, -1, 1, 2, -2, 2**40, -(2**40), 65536, 3, -3, 7, 0, 1, 2**62],
+    "f": EDGE_FLOATS[::-1],
+    "flag": [i % 3 == 0 for i in range(16)],
+}
+EDGE_KERNEL = '''
+import triton
+import triton.language as tl
+
+{helpers}
+
+@triton.jit
+def _eval_kernel(Out, Q, S, b, h, q_len, kv_len, {params}, BM: tl.constexpr, BN: tl.constexpr):
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    q_idx = tl.load(Q + offs_m)[:, None]
+    kv_idx = offs_n[None, :]
+    score = tl.load(S + offs_m[:, None] * BN + offs_n[None, :])
+{stmts}
+    val = {value} + tl.zeros([BM, BN], {zero_type})
+    tl.store(Out + offs_m[:, None] * BN + offs_n[None, :], val)
+'''
+_EDGE_TORCH = {"int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "fp32": torch.float32, "bool": torch.bool}
+
+
+def _edge_tensors(device):
+    q = torch.tensor(EDGE_Q, dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(0)
+    score = torch.tensor(EDGE_FLOATS)[torch.randint(0, 16, (16, 16), generator=gen)].to(device)
+    inputs = {n: torch.tensor(EDGE_DATA[n], dtype=_EDGE_TORCH[t], device=device) for n, t in EDGE_INPUTS.items()}
+    return q, score, inputs
+
+
+def _run_edge(e, tmp_path, device, scalars):
+    from attngen.check import _check_arithmetic
+    from attngen.errors import SpecError
+
+    try:
+        _check_arithmetic(e, EDGE_SCOPE)
+    except SpecError:
+        return None  # refused at check time, never lowered
+    t = ex.typeof(e, EDGE_SCOPE)
+    lowerer = ex.Lowerer(EDGE_SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}))
+    folded = ex.fold(e, EDGE_SCOPE)  # the kernels see constant subexpressions folded (exactly, or in float64)
+    low = lowerer.lower_all([folded])
+    value = low.exprs[0]
+    if t is Type.BOOL:
+        value, zero_type, out_dtype = f"tl.where({value}, 1, 0)", "tl.int32", torch.int32
+    elif t is Type.INT:
+        zero_type, out_dtype = "tl.int64", torch.int64
+    else:
+        zero_type, out_dtype = "tl.float32", torch.float32
+    params = ", ".join(f"in_{n}_ptr, in_{n}_stride_0, in_{n}_size_0" for n in EDGE_INPUTS)
+    stmts = "\n".join("    " + s for s in low.outer + low.inner)
+    src = EDGE_KERNEL.format(helpers="\n\n".join(ex.HELPERS[h] for h in sorted(lowerer.helpers)), stmts=stmts, value=value,
+                             zero_type=zero_type, params=params)
+    _counter[0] += 1
+    path = tmp_path / f"edge_{_counter[0]}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    q, score, inputs = _edge_tensors(device)
+    out = torch.empty(16, 16, dtype=out_dtype, device=device)
+    args = [a for x in inputs.values() for a in (x, x.stride(0), x.numel())]
+    with np.errstate(all="ignore"):  # the interpreter computes with numpy: inf - inf and 0 / 0 are intended here
+        mod._eval_kernel[(1,)](out, q, score, scalars["b"], scalars["h"], scalars["q_len"], scalars["kv_len"], *args, BM=16, BN=16)
+    env = {"q_idx": q.long().view(16, 1), "kv_idx": torch.arange(16, device=device).view(1, 16), "score": score, **scalars}
+    want = torch.as_tensor(evaluate(folded, env, inputs, EDGE_SCOPE, torch.float32), device=device).broadcast_to((16, 16))
+    return out, want, src
+
+
+_SCALARS = st.fixed_dictionaries({"b": st.sampled_from([0, 1, 3, _BIG]), "h": st.sampled_from([0, 2, _BIG]),
+                                  "q_len": st.sampled_from([1, 17, _BIG + 1]), "kv_len": st.sampled_from([1, 16, 2**20, _BIG + 1])})
+_EDGE_SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@_EDGE_SETTINGS
+@given(e=edge_int_exprs(), scalars=_SCALARS)
+def test_lowered_integers_match_the_reference_at_edges(e, scalars, tmp_path, device):
+    run = _run_edge(e, tmp_path, device, scalars)
+    assume(run is not None)
+    got, want, src = run
+    assert torch.equal(got.cpu(), want.cpu().long()), f"{ex.format_expr(e)}\n{src}"
+
+
+@_EDGE_SETTINGS
+@given(e=edge_bool_exprs(), scalars=_SCALARS)
+def test_lowered_booleans_match_the_reference_at_edges(e, scalars, tmp_path, device):
+    run = _run_edge(e, tmp_path, device, scalars)
+    assume(run is not None)
+    got, want, src = run
+    assert torch.equal(got.cpu(), want.cpu().to(torch.int32)), f"{ex.format_expr(e)}\n{src}"
+
+
+@_EDGE_SETTINGS
+@given(e=edge_float_exprs(), scalars=_SCALARS)
+def test_lowered_floats_match_the_reference_at_edges(e, scalars, tmp_path, device):
+    run = _run_edge(e, tmp_path, device, scalars)
+    assume(run is not None)
+    got, want, src = run
+    got, want = got.cpu(), want.cpu().float()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), f"NaN differs: {ex.format_expr(e)}\n{src}"
+    if device == "cpu":  # the interpreter computes IEEE float32 with numpy: bit for bit
+        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), f"{ex.format_expr(e)}\n{src}"
+    else:  # the GPU's float32 division is correctly rounded too, but allow it an ulp of slack
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{ex.format_expr(e)}\n{src}"
+        finite = torch.isfinite(want)
+        assert torch.allclose(got[finite], want[finite], rtol=2e-7, atol=0), f"{ex.format_expr(e)}\n{src}"
+
+
+@pytest.mark.parametrize("func", ["exp", "log", "sqrt", "tanh", "sigmoid"])
+def test_lowered_functions_match_the_reference_at_edges(func, tmp_path, device):
+    """exp, log, sqrt, tanh and sigmoid of NaN, +-inf, +-0, huge, tiny and negative values: the same NaNs (log and
+    sqrt of negatives, anything of NaN) and infinities (exp overflow, log 0) as torch, finite values to float32
+    accuracy (absolute 1e-7 for tanh near 0, which the kernels compute through exp2)."""
+    from attngen.spec import Index, Var
+
+    for arg in (Var("score"), Index("f", (Var("kv_idx"),))):
+        got, want, src = _run_edge(Call(func, (arg,)), tmp_path, device, {"b": 0, "h": 0, "q_len": 1, "kv_len": 1})
+        got, want = got.cpu(), want.cpu().float()
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), src
+        assert torch.equal(torch.isinf(got) & (got > 0), torch.isinf(want) & (want > 0)), src
+        assert torch.equal(torch.isinf(got) & (got < 0), torch.isinf(want) & (want < 0)), src
+        finite = torch.isfinite(want)
+        assert torch.allclose(got[finite], want[finite], rtol=4e-6, atol=1e-7), src
