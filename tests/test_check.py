@@ -92,7 +92,25 @@ BAD = [
     ("attention t { head_dim = 64 sparsity = q_idx > 0 }", "'q_idx' cannot be used in sparsity"),
     ("attention t { head_dim = 64 mask = q_idx & 1 == 0 }", "`&` needs two integers (bitwise) or two booleans, got int and bool (`&` and `|` bind looser"),
     ("attention t { head_dim = 64 mask = (q_idx ^ 1.5) > 0 }", "`^` needs two integers (bitwise), got int and float"),
+    # no value: a divisor that is always 0, integer arithmetic that could leave int64, constants the kernels cannot hold
+    ("attention t { head_dim = 64 mask = q_idx % 0 == 0 }", "division by zero: the divisor of `%` is always 0"),
+    ("attention t { head_dim = 64 mask = q_idx // (3 - 3) == 0 }", "division by zero: the divisor of `//` is always 0"),
+    ("attention t { head_dim = 64 score = score / (0.5 - 0.5) }", "division by zero: the divisor of `/` is always 0"),
+    ("attention t { head_dim = 64 mask = q_idx * kv_idx * q_idx > 3 }", "integer overflow: `q_idx * kv_idx * q_idx` can reach 2**89"),
+    ("attention t { head_dim = 64 input x: int64[B] mask = x[b] + 1 > kv_idx }", "x (int64) may hold any value of its type"),
+    ("attention t { head_dim = 64 mask = q_idx < 65536 * 65536 }", "`65536 * 65536` is 4294967296, which does not fit in 32 bits"),
+    ("attention t { head_dim = 64 score = score * (1e30 * 1e30) }", "outside float32's range"),
+    ("attention t { head_dim = 64 score = score * 1e-40 }", "outside float32's range"),
+    ("attention t { head_dim = 64 score = score + exp(1000.0) }", "constant expression `exp(1000.0)` has no value"),
 ]
+
+
+def test_zero_divisor_error_points_at_the_divisor():
+    with pytest.raises(SpecError) as info:
+        load_spec("attention t {\n  head_dim = 64\n  mask = q_idx % (2 - 2) == 0\n}", "x.attn")
+    assert str(info.value).startswith("x.attn:3:19: error: division by zero"), str(info.value)
+    source, carets = str(info.value).splitlines()[1:]
+    assert source[carets.index("^"):len(carets)] == "2 - 2"  # the divisor, inside its parentheses
 
 
 @pytest.mark.parametrize("text, message", BAD, ids=[m for _, m in BAD])
