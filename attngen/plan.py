@@ -9,6 +9,7 @@ register file: each of those adjustments is a recorded step.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from . import expr as ex
@@ -179,12 +180,32 @@ def _regs(tiles: int, warps: int) -> int:
     return math.ceil(tiles / (32 * warps))
 
 
+class TargetWarning(UserWarning):
+    """`target = auto` on a machine without a CUDA device: the plan is for DEFAULT_TARGET."""
+
+
+DEFAULT_TARGET = "h100"  # what `auto` plans for where no GPU is visible (Triton's interpreter runs any plan)
+_warned_default_target = False
+
+
 def resolve_target(spec: Spec, target: str | Target | None) -> Target:
-    """The Target object for an override, the spec's own target, or the live device for `auto`."""
+    """The Target object for an override, the spec's own target, or the live device for `auto` (DEFAULT_TARGET,
+    with a TargetWarning once per process, where no CUDA device is visible: on CPU tensors the kernels run in
+    Triton's interpreter, whatever GPU they were planned for)."""
     if isinstance(target, Target):
         return target
     name = target or spec.target
     if name == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            global _warned_default_target
+            if not _warned_default_target:
+                _warned_default_target = True
+                warnings.warn(f"target = auto: no CUDA device is visible, so attngen plans for {DEFAULT_TARGET} (CPU tensors run "
+                              f"in Triton's interpreter, which runs any target's kernels); name one with target= or --target",
+                              TargetWarning, stacklevel=4)
+            return get_target(DEFAULT_TARGET)
         return detect()
     return get_target(name)
 

@@ -1,6 +1,8 @@
 """Load a generated module and wrap it: call-time checks of the tensors, and a torch.autograd.Function."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -10,18 +12,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from . import cache
 from .blocks import block_lists
 from .check import read_spec
-from .errors import InputError
+from .errors import InputError, PlanError
 from .expr import SCORE_VARS, Scope, input_reads
 from .naive import evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
+from .ranges import MAX_EXTENT
 from .render import build_dropout_source, build_source
-from .spec import Index, Spec, Var
+from .spec import DType, Index, Spec, Var
 from .tune import Tuner
 from .tune import bucket as tune_bucket
 
@@ -58,6 +62,11 @@ class _Dims:
     q_len: int
     kv_len: int
 
+    @property
+    def empty(self) -> bool:
+        """No work: no sequence, no query or no key (O = 0, lse = -inf, zero gradients)."""
+        return self.batch == 0 or self.q_len == 0 or self.kv_len == 0
+
 
 class Kernel:
     """A compiled attention variant: call it like a function of (q, k, v, **inputs)."""
@@ -73,6 +82,7 @@ class Kernel:
         # `auto` tiles (attngen/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
+        self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _run_on_cpu
 
     def __repr__(self) -> str:
         return f"<attngen.Kernel {self.spec.name} target={self.plan.target.name} file={self.path}>"
@@ -98,9 +108,14 @@ class Kernel:
         if k.shape[0] != B:
             raise InputError(f"q has batch {B}, k and v have {k.shape[0]}")
         Hkv, Nk = k.shape[1], k.shape[2]
-        if Hkv == 0 or Hq % Hkv:
+        if Hq == 0 or Hkv == 0:
+            raise InputError(f"q has {Hq} heads and k, v have {Hkv}: each needs at least one head")
+        if Hq % Hkv:
             raise InputError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-        _check_device(q.device)
+        for what, n in (("batch size", B), ("number of query heads", Hq), ("query length", Nq), ("key length", Nk)):
+            if n >= MAX_EXTENT:  # the integer analysis of the spec's expressions (ranges.py) assumes less
+                raise InputError(f"the {what} is {n}; attngen supports at most {MAX_EXTENT - 1} (2**30 - 1)")
+        _check_device(q.device, self.module)
         dims = _Dims(B, Hq, Hkv, Nq, Nk)
 
         declared = [d.name for d in spec.inputs]
@@ -150,13 +165,36 @@ class Kernel:
         `dropout` (0.0 at evaluation); `seed` (default: drawn from torch's CPU generator, so torch.manual_seed
         makes runs repeatable) fixes the pattern, which attngen.dropout_mask gives exactly. `block_mask`:
         the kept blocks of a `sparsity = runtime` spec (see attngen.block_mask_from)."""
+        args = (q, k, v, return_lse, dropout_p, seed, block_mask, inputs)
+        if isinstance(q, torch.Tensor) and q.device.type == "cpu":
+            return _call_interpreted(self, *args)
+        return self._call(*args)
+
+    def _call(self, q, k, v, return_lse, dropout_p, seed, block_mask, inputs):
         dims, tensors = self._check(q, k, v, inputs)
+        if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
+            return self._run_on_cpu(q, k, v, return_lse, dropout_p, seed, block_mask, inputs)
         extra = self._dropout(dropout_p, seed) | self._blocks(block_mask, dims, q.device)
         o, lse2 = _AttentionFunction.apply(self, dims, extra, q, k, v, *tensors)
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
 
+
+    def _run_on_cpu(self, q, k, v, return_lse, dropout_p, seed, block_mask, inputs):
+        """A bf16 call on CPU tensors. Triton's interpreter stores bf16 as raw 16-bit integers and has no bf16
+        arithmetic (its products of bf16 tiles are products of those integers), so the call runs this spec's
+        float32 kernels on float32 copies of q, k, v and of bf16 inputs, and rounds the output to bf16. Autograd
+        flows through the conversions, so the gradients come back in bf16 too. Every other part of the call
+        (masks, dropout pattern, block lists, lse) is the same: only the element type differs."""
+        if self._cpu_twin is None:
+            self._cpu_twin = _float32_twin(self)
+        up = lambda t: t.float() if t.dtype == torch.bfloat16 else t  # noqa: E731
+        out = self._cpu_twin(up(q), up(k), up(v), return_lse=return_lse, dropout_p=dropout_p, seed=seed,
+                             block_mask=block_mask, **{name: up(t) for name, t in inputs.items()})
+        if return_lse:
+            return out[0].to(torch.bfloat16), out[1]
+        return out.to(torch.bfloat16)
 
     def _blocks(self, block_mask, dims: _Dims, device: torch.device) -> dict:
         """The block lists keyword of the generated launchers ({} for a spec without runtime sparsity)."""
@@ -207,11 +245,63 @@ class Kernel:
         return {"tiles": self.tuner.tiles(phase, name, run, sync)}
 
 
-def _check_device(device: torch.device) -> None:
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise InputError("CPU tensors run through Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or use CUDA tensors")
-    if device.type not in ("cpu", "cuda"):
+@torch.compiler.disable
+def _call_interpreted(kernel: Kernel, *args):
+    """A call on CPU tensors. Triton's interpreter runs the kernels as numpy code, which torch.compile cannot trace
+    (it failed with KeyError(torch.uint64) on the interpreter's pointer arithmetic): under torch.compile this call
+    runs eagerly, a graph break."""
+    with _interpreter_errstate():
+        return kernel._call(*args)
+
+
+def _interpreter_errstate():
+    """numpy's error state for the interpreter's kernel runs: a row that keeps no key has lse = m + log2(0) = -inf
+    by design, which numpy would report as a division by zero on stderr."""
+    return np.errstate(divide="ignore")
+
+
+def _float32_twin(kernel: Kernel) -> Kernel:
+    """The same spec with float32 elements (bf16 inputs declared fp32), planned for the same target: what a bf16
+    kernel runs on the CPU interpreter. The interpreter ignores on-chip memory, so where the spec's fixed tiles
+    do not fit float32 on the target, the twin takes the derived ones (tiles never change results)."""
+    spec = kernel.spec
+    inputs = tuple(dataclasses.replace(d, dtype="fp32") if d.dtype == "bf16" else d for d in spec.inputs)
+    twin = dataclasses.replace(spec, dtype=DType.FP32, inputs=inputs)
+    try:
+        twin_plan = make_plan(twin, kernel.plan.target, classify=kernel.plan.classify)
+    except PlanError:
+        twin = dataclasses.replace(twin, block_m=None, block_n=None, num_warps=None, num_stages=None, tune=frozenset())
+        twin_plan = make_plan(twin, kernel.plan.target, classify=kernel.plan.classify)
+    key, source = build_source(twin_plan)
+    module = _load(twin.name, key, source)
+    return Kernel(twin, twin_plan, source, Path(module.__file__), module)
+
+
+def _check_device(device: torch.device, module: ModuleType | None = None) -> None:
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise InputError("CPU tensors run through Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or use CUDA tensors")
+        _check_interpreted(module)
+    elif device.type != "cuda":
         raise InputError(f"unsupported device {device}")
+
+
+_INTERPRET_LATE = ("TRITON_INTERPRET=1 was set after {what} was imported, so its kernels were made for the GPU and cannot "
+                   "run in the interpreter (Triton reads the variable when it defines a kernel). Set it before anything "
+                   "imports triton or attngen compiles a spec: `TRITON_INTERPRET=1 python script.py`, or os.environ at "
+                   "the very top of the script")
+
+
+def _check_interpreted(module: ModuleType | None) -> None:
+    """CPU calls need Triton's own library functions and the generated kernels defined in interpreter mode;
+    otherwise Triton fails deep inside with 'Cannot call @triton.jit'd outside of the scope of a kernel'."""
+    import triton.language.standard as standard
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(standard.sigmoid, JITFunction):
+        raise InputError(_INTERPRET_LATE.format(what="triton"))
+    if module is not None and any(isinstance(f, JITFunction) for f in vars(module).values()):
+        raise InputError(_INTERPRET_LATE.format(what=f"the generated module {Path(module.__file__).name}"))
 
 
 def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
@@ -229,7 +319,7 @@ class _AttentionFunction(torch.autograd.Function):
     def forward(ctx, kernel: Kernel, dims: _Dims, extra: dict, q, k, v, *inputs):
         # extra: the launchers' keyword arguments for dropout (dropout_p, seed) and runtime sparsity (blocks)
         ctx.set_materialize_grads(False)
-        if dims.q_len == 0 or dims.kv_len == 0:  # nothing to attend to (or no query): O = 0, lse = -inf
+        if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
             o = q.new_zeros(q.shape)
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         else:
@@ -246,7 +336,7 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, o, lse, *inputs = ctx.saved_tensors
         dims = ctx.dims
-        if (do is None and dlse is None) or dims.q_len == 0 or dims.kv_len == 0:
+        if (do is None and dlse is None) or dims.empty:
             return (None, None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
         if do is None:
             do = torch.zeros_like(o)
@@ -258,7 +348,8 @@ class _AttentionFunction(torch.autograd.Function):
         flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
         backward = ctx.kernel.module.attention_backward
         extra |= ctx.kernel._tiles("bwd", dims, flags, q.device, lambda t: backward(q, k, v, o, lse, do, dlse, *inputs, **extra, tiles=t))
-        dq, dk, dv, *terms = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)  # with input_grads: the terms too
+        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+            dq, dk, dv, *terms = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)  # with input_grads: the terms too
         if not any(wanted):
             return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
         terms = terms[0] if terms else []
@@ -370,8 +461,9 @@ def dropout_mask(seed: int, dropout_p: float, batch: int, heads: int, q_len: int
     if not 0.0 <= dropout_p < 1.0:
         raise InputError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
     device = torch.device(device)
-    _check_device(device)
-    return _dropout_module().dropout_mask(seed, float(dropout_p), batch, heads, q_len, kv_len, device)
+    module = _dropout_module()
+    _check_device(device, module)
+    return module.dropout_mask(seed, float(dropout_p), batch, heads, q_len, kv_len, device)
 
 
 def dropout_probability(dropout_p: float) -> float:

@@ -411,3 +411,98 @@ def test_dropout_seed_defaults_to_torch_generator(device, target):
     torch.manual_seed(0)
     assert torch.equal(kern(q, k, v), first)
     assert not torch.equal(kern(q, k, v), first)  # the generator moved on: another pattern
+
+
+# bf16 specs on CPU tensors: Triton's interpreter has no bf16 arithmetic (it multiplied the raw 16-bit patterns and
+# returned outputs near 8e8), so the call runs the spec's float32 kernels on float32 copies and rounds to bf16.
+BF16_CPU = {
+    "causal": (Path(__file__).parent.parent / "specs" / "causal.attn").read_text(),
+    "dense": (Path(__file__).parent.parent / "specs" / "dense.attn").read_text(),
+    "causal_softcap": (Path(__file__).parent.parent / "specs" / "causal_softcap.attn").read_text(),
+    "bf16_input_dropout_blocks": "attention v { head_dim = 32 dtype = bf16 dropout = 0.2 sparsity = runtime sparse_block = 16 "
+                                 "input kb: bf16[B, N] score = score + kb[b, kv_idx] mask = q_idx >= kv_idx }",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BF16_CPU))
+def test_bf16_specs_are_exact_on_every_device(name, device, target):
+    kern = attngen.compile(load_spec(BF16_CPU[name], name), target)
+    assert kern.spec.dtype is DType.BF16
+    _check(kern, device, shapes=((1, 2, 2, 17, 17), (1, 4, 2, 65, 63)))
+
+
+# ---- edges of the expression language, through whole kernels (issue 15): each result is the language's defined
+# value (README, "Semantics"), the same in the kernel and the float64 reference, never a silent wrap-around.
+def _edge_case(text, device, target, inputs, B=2, H=2, N=40, D=32):
+    kern = attngen.compile(load_spec(text), target)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, N, D, generator=gen).to(device) for _ in range(3))
+    inputs = {name: t.to(device) for name, t in inputs.items()}
+    out, lse = kern(q, k, v, return_lse=True, **inputs)
+    ref, ref_lse = attngen.reference(kern.spec, q.double(), k.double(), v.double(), return_lse=True, **inputs)
+    return out.double(), lse.double(), ref, ref_lse, v.double()
+
+
+def _same(a, b, atol=2e-5):
+    """Equal NaN and infinity patterns, finite values within atol."""
+    assert torch.equal(torch.isnan(a), torch.isnan(b))
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.equal(a[torch.isinf(a)], b[torch.isinf(b)])
+    finite = torch.isfinite(b)
+    assert torch.allclose(a[finite], b[finite], atol=atol)
+
+
+def test_runtime_zero_divisors_have_one_meaning(device, target):
+    """a % 0 = a and a // 0 = 0, in the kernel and the reference: with d = 0, (q_idx - kv_idx) % d == 0 keeps the
+    diagonal only (each query sees its own key: O = V), and kv_idx // d <= q_idx // d keeps every pair."""
+    d = torch.tensor([0, 3], dtype=torch.int32)
+    out, lse, ref, ref_lse, v = _edge_case("attention t { head_dim = 32 dtype = fp32 input d: int32[H] mask = (q_idx - kv_idx) % d[h] == 0 }",
+                                           device, target, {"d": d})
+    _same(out, ref)
+    _same(lse, ref_lse, atol=1e-4)
+    assert torch.allclose(out[:, 0], v[:, 0], atol=1e-5)  # head 0: d = 0, the diagonal
+    out, _, ref, _, _ = _edge_case("attention t { head_dim = 32 dtype = fp32 input d: int32[H] mask = kv_idx // d[h] <= q_idx // d[h] }",
+                                   device, target, {"d": d})
+    _same(out, ref)
+    dense, _, dense_ref, _, _ = _edge_case("attention t { head_dim = 32 dtype = fp32 }", device, target, {})
+    assert torch.allclose(out[:, 0], dense_ref[:, 0], atol=2e-5)  # head 0: every pair kept
+
+
+@pytest.mark.parametrize("text, values, kept_everywhere", [
+    # int32 + int32 past 2**31: computed in int64 (it used to wrap to a negative number and drop every key but 0)
+    ("input x: int32[B] mask = x[b] + kv_idx >= 0", [2**31 - 1, -5], [True, False]),
+    # int8 arithmetic happens in int32 (200 > kv_idx; in int8 it would be -56)
+    ("input s: int8[B] mask = s[b] * 2 > kv_idx", [100, 10], [True, False]),
+    # a product of an index and an int32 input: int64
+    ("input w: int32[B] mask = kv_idx * w[b] <= 40 * w[b]", [2**30, 7], [True, True]),
+])
+def test_integer_arithmetic_is_exact(text, values, kept_everywhere, device, target):
+    decl = text.split(":")[1].split("[")[0].strip()
+    name = text.split()[1].rstrip(":")
+    x = torch.tensor(values, dtype=getattr(torch, decl))
+    out, lse, ref, ref_lse, _ = _edge_case(f"attention t {{ head_dim = 32 dtype = fp32 {text} }}", device, target, {name: x})
+    _same(out, ref)
+    _same(lse, ref_lse, atol=1e-4)
+    dense, _, dense_ref, _, _ = _edge_case("attention t { head_dim = 32 dtype = fp32 }", device, target, {})
+    for b, everything in enumerate(kept_everywhere):
+        assert torch.allclose(out[b], dense_ref[b], atol=2e-5) == everything
+
+
+def test_nan_and_infinite_inputs(device, target):
+    """A NaN compared in the mask is false (the key is dropped); a score of -inf drops the pair; +inf or NaN in a
+    kept score makes that row NaN (output and lse), in the kernel and the reference alike."""
+    t = torch.randn(2, 40)
+    t[:, 3] = float("nan")
+    t[:, 5] = float("inf")
+    out, lse, ref, ref_lse, _ = _edge_case("attention t { head_dim = 32 dtype = fp32 input t: fp32[B, N] mask = t[b, kv_idx] > 0.0 or kv_idx == 3 }",
+                                           device, target, {"t": t})
+    _same(out, ref)
+    assert not torch.isnan(out).any()  # the NaN key is dropped by `t > 0.0`, kept by `kv_idx == 3` (its score is finite)
+    bias = torch.zeros(2, 40)
+    bias[:, 7] = float("-inf")
+    bias[1, 9] = float("inf")
+    bias[1, 11] = float("nan")
+    out, lse, ref, ref_lse, _ = _edge_case("attention t { head_dim = 32 dtype = fp32 input bias: fp32[B, N] mask = q_idx >= kv_idx "
+                                           "score = score + bias[b, kv_idx] }", device, target, {"bias": bias})
+    _same(out, ref)
+    _same(lse, ref_lse, atol=1e-4)
+    assert not torch.isnan(out[0]).any() and torch.isnan(out[1, :, 9:]).all() and not torch.isnan(out[1, :, :9]).any()

@@ -60,6 +60,11 @@ def test_compile_errors():
         (lambda q, k, v, i: (q, k, v, {"lens": i["lens"][None]}), "input 'lens' has 2 dimension"),
         (lambda q, k, v, i: (q, k, v, {"lens": i["lens"][:1]}), r"input 'lens' dimension 0 \(B\) is 1, but B is 2"),
         (lambda q, k, v, i: (q, k, v, {"lens": [3, 4]}), "input 'lens' must be a torch.Tensor"),
+        (lambda q, k, v, i: (q[:, :0], k[:, :0], v[:, :0], i), "q has 0 heads and k, v have 0: each needs at least one head"),
+        (lambda q, k, v, i: (q, k[:, :0], v[:, :0], i), "q has 4 heads and k, v have 0"),
+        # the integer analysis of expressions (attngen/ranges.py) holds for lengths below 2**30 (a view, no memory)
+        (lambda q, k, v, i: (q, k[:, :, :1].expand(-1, -1, 2**30, -1), v[:, :, :1].expand(-1, -1, 2**30, -1), i),
+         r"the key length is 1073741824; attngen supports at most 1073741823 \(2\*\*30 - 1\)"),
     ],
 )
 def test_bad_calls_say_what_was_expected(padded, mutate, message):
@@ -90,3 +95,71 @@ def test_reference_accepts_a_kernel_and_inputs(padded):
     assert out.dtype == torch.float64 and torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
     manual = torch.softmax((q[1] @ k[1].repeat_interleave(2, 0)[:, :4].transpose(-1, -2)) / 8.0, -1) @ v[1].repeat_interleave(2, 0)[:, :4]
     assert torch.allclose(out[1], manual)
+
+
+def test_an_empty_batch_gives_empty_results(padded):
+    q, k, v = (t[:0].requires_grad_() for t in _qkv())
+    out, lse = padded(q, k, v, return_lse=True, lens=torch.zeros(0, dtype=torch.int32, device=q.device))
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own use of torch.jit
+def test_torch_compile_without_fullgraph_runs_the_kernel(target):
+    """torch.compile over a function that calls a kernel: on CPU the interpreter's numpy code cannot be traced, so
+    the call is a graph break and runs eagerly (it crashed with KeyError(torch.uint64)); the result and the
+    gradients equal the eager call's."""
+    kern = attngen.compile(ROOT / "specs" / "odd_head_dim.attn", target)
+    q, k, v = (t.float().requires_grad_() for t in _qkv(d=80))
+
+    def f(q, k, v):
+        return (kern(q, k, v) * 2.0).sum()
+
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(f)(q, k, v), (q, k, v))
+    for a, b in zip(eager, compiled):
+        assert not torch.isnan(b).any() and torch.equal(a, b)
+
+
+def test_interpreter_set_after_triton_was_imported_is_explained(tmp_path, device):
+    """TRITON_INTERPRET=1 set after `import triton`: Triton's own functions were made for the GPU, and the call
+    failed with "Cannot call @triton.jit'd outside of the scope of a kernel". Now an InputError says what to do."""
+    if device != "cpu":
+        pytest.skip("a CPU-interpreter matter")
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch, triton\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "import attngen\n"
+        f"kern = attngen.compile({str(ROOT / 'specs' / 'odd_head_dim.attn')!r}, 'h100')\n"
+        "q = torch.randn(1, 1, 8, 80)\n"
+        "try:\n"
+        "    kern(q, q, q)\n"
+        "except attngen.InputError as err:\n"
+        "    print('InputError:', err)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert "InputError: TRITON_INTERPRET=1 was set after triton was imported" in run.stdout, run.stdout + run.stderr
+
+
+def test_auto_target_without_a_gpu_plans_for_the_default(monkeypatch, device):
+    """The README's first example names no target: on a machine without a GPU it plans for h100 (the interpreter
+    runs any plan) and says so once, with a TargetWarning."""
+    from attngen import plan as plan_module
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: auto resolves to it")
+    monkeypatch.setattr(plan_module, "_warned_default_target", False)
+    with pytest.warns(plan_module.TargetWarning, match="no CUDA device is visible, so attngen plans for h100"):
+        kern = attngen.compile(ROOT / "specs" / "causal.attn")
+    assert kern.plan.target.name == "h100"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attngen.compile(ROOT / "specs" / "dense.attn")  # once per process
