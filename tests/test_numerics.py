@@ -506,3 +506,14 @@ def test_nan_and_infinite_inputs(device, target):
     _same(out, ref)
     _same(lse, ref_lse, atol=1e-4)
     assert not torch.isnan(out[0]).any() and torch.isnan(out[1, :, 9:]).all() and not torch.isnan(out[1, :, :9]).any()
+    # the gradients: NaN where the reference's are (the NaN rows reach every key they attend to), equal elsewhere
+    kern = attngen.compile(load_spec("attention t { head_dim = 32 dtype = fp32 input bias: fp32[B, N] mask = q_idx >= kv_idx "
+                                     "score = score + bias[b, kv_idx] }"), target)
+    gen = torch.Generator().manual_seed(5)
+    leaves = [torch.randn(2, 2, 40, 32, generator=gen).to(device).requires_grad_() for _ in range(3)]
+    grads = torch.autograd.grad(kern(*leaves, bias=bias.to(device)).sum(), leaves)
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    ref_grads = torch.autograd.grad(attngen.reference(kern.spec, *wide, bias=bias.to(device)).sum(), wide)
+    for g, rg in zip(grads, ref_grads):
+        _same(g.double(), rg, atol=1e-4)
+    assert torch.isnan(grads[0][0]).sum() == 0

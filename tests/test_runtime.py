@@ -163,3 +163,19 @@ def test_auto_target_without_a_gpu_plans_for_the_default(monkeypatch, device):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attngen.compile(ROOT / "specs" / "dense.attn")  # once per process
+
+
+def test_readme_cpu_example_runs(device):
+    """The README's example for machines without a GPU, run as written from the repository root."""
+    if device != "cpu":
+        pytest.skip("the CPU example")
+    import re
+    import subprocess
+    import sys
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (code,) = [b for b in blocks if b.startswith('import os; os.environ["TRITON_INTERPRET"] = "1"')]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "TargetWarning" in run.stderr or torch.cuda.is_available()
