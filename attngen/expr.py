@@ -663,8 +663,9 @@ class Lowerer:
                     code = self._temp(i, f"{e.input}_index", code[0])
                 indices.append((self._paren(code, _PY_ATOM), nonnegative(i)))
             load = access.load(indices)
-            if self.scope.inputs[e.input].dtype in ("int8", "int16"):  # arithmetic on them happens in int32 or wider
-                load = f"{load}.to(tl.int32)"
+            widen = {"int8": "tl.int32", "int16": "tl.int32", "fp16": "tl.float32", "bf16": "tl.float32"}
+            if self.scope.inputs[e.input].dtype in widen:  # arithmetic happens in int32 (or wider) and in float32
+                load = f"{load}.to({widen[self.scope.inputs[e.input].dtype]})"
             return self._temp(e, e.input, load)
         if isinstance(e, Unary):
             if e.op == "not":
@@ -714,7 +715,7 @@ class Lowerer:
         if e.op in ("//", "%") and t is Type.FLOAT:
             a = self._paren(self._lower_as(e.lhs, Type.FLOAT), _PY_PREC["/"])
             b = self._paren(self._lower_as(e.rhs, Type.FLOAT), _PY_PREC["/"] + 1)
-            quotient = f"tl.math.floor({a} / {b})"
+            quotient = f"tl.math.floor(tl.math.div_rn({a}, {b}))"  # IEEE division: floor of an approximate quotient can be off by 1
             if e.op == "//":
                 return quotient, _PY_ATOM
             return f"{a} - {quotient} * {b}", _PY_PREC["-"]
