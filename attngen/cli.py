@@ -1,4 +1,4 @@
-"""attngen build | plan | targets | check | bench | tune | plot. Spec errors print file:line:col with a caret and exit 2."""
+"""attngen build | plan | targets | check | bench | tune | plot | --version. Spec errors print file:line:col with a caret and exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -20,9 +20,12 @@ def _specs(paths: list[str]):
 def cmd_targets(args) -> int:
     from .targets import TARGETS
 
-    print(f"{'name':<11}{'GPU':<26}{'sm':>5}{'SMs':>6}{'smem/SM':>10}{'smem/block':>12}  bf16")
+    print(f"{'name':<11}{'GPU':<26}{'sm':>5}{'SMs':>6}{'smem/SM':>10}{'smem/block':>12}  bf16  note")
     for t in TARGETS.values():
-        print(f"{t.name:<11}{t.full_name:<26}{t.arch:>5}{t.sm_count:>6}{t.smem_per_sm // 1024:>8}KB{t.smem_per_block // 1024:>10}KB  {'yes' if t.supports_bf16 else 'no'}")
+        # listed for reference, but `plan` and `build` refuse it (PlanError): say so where the user looks
+        note = f"unsupported: {t.unsupported}" if t.unsupported else ""
+        print(f"{t.name:<11}{t.full_name:<26}{t.arch:>5}{t.sm_count:>6}{t.smem_per_sm // 1024:>8}KB{t.smem_per_block // 1024:>10}KB  "
+              f"{'yes' if t.supports_bf16 else 'no':<4}  {note}".rstrip())
     print("\nsources: CUDA C++ Programming Guide (compute capability tables) and each GPU's whitepaper; `attngen targets -v` lists them")
     if args.verbose:
         for t in TARGETS.values():
@@ -89,16 +92,21 @@ def cmd_check(args) -> int:
     shapes = verify.CUDA_SHAPES if args.device == "cuda" else verify.CPU_SHAPES
     if args.quick:
         shapes = shapes[:3]
+    runs = [(spec, args.dtype or [spec.dtype.value]) for spec in _specs(args.spec)]
+    # One line per case on stderr before it runs (a case takes seconds in the interpreter, the tables come at the end)
+    total, done = sum(len(dtypes) for _, dtypes in runs) * len(shapes), 0
     failed = 0
-    for spec in _specs(args.spec):
-        dtypes = args.dtype or ([spec.dtype.value] if args.device == "cuda" or spec.dtype.value != "bf16" else ["fp16"])
+    for spec, dtypes in runs:
         results = []
         for dtype in dtypes:
             kernel = compile_spec(replace(spec, dtype=DType(dtype)), args.target or ("h100" if args.device == "cpu" else None))
             for shape in shapes:
+                done += 1
+                print(f"attngen check [{done}/{total}]: {spec.filename or spec.name}, {dtype}, (B,Hq,Hkv,Nq,Nk) = {shape} on {args.device}",
+                      file=sys.stderr, flush=True)
                 results.append(verify.check_one(kernel, shape, args.device))
-        note = " (the interpreter has no bf16 arithmetic: checked as fp16)" if args.device == "cpu" and spec.dtype.value == "bf16" and not args.dtype else ""
-        print(verify.format_table(f"\n{spec.filename or spec.name} on {args.device}{note}", results))
+        # flushed: piped into one log with the progress lines, each table lands after its own cases
+        print(verify.format_table(f"\n{spec.filename or spec.name} on {args.device}", results), flush=True)
         failed += sum(not r.ok for r in results)
     print(f"\n{'all passed' if not failed else f'{failed} case(s) FAILED'}")
     return 1 if failed else 0
@@ -145,8 +153,24 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Version(argparse.Action):
+    """--version: attngen's version and the Triton and torch it runs with (looked up only when asked: the lookup
+    imports the renderer, which every other command would pay for)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .render import versions
+
+        v = versions()
+        print(f"attngen {v['attngen']} (Triton {v['triton']}, torch {v['torch']})")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attngen", description="Compile .attn attention specs into Triton kernels.")
+    parser.add_argument("--version", action=_Version, help="print the versions of attngen, Triton and torch and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("build", help="build an ahead-of-time bundle: generated modules and GPU binaries for targets (no GPU needed)")
@@ -194,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", help="the JSON file of attngen bench --json")
     p.add_argument("-o", "--output", default="bench.png", help="image file (default: bench.png; the suffix picks the format)")
     p.set_defaults(func=cmd_plot)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except SourceError as err:

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KIB = 1024
+# Triton 3.6 (the version attngen pins and its kernels are written against) generates code for compute
+# capability 7.5 (Turing) and newer; older GPUs stay in the table for reference but cannot be planned for.
+TRITON = "3.6"
+MIN_COMPUTE_CAPABILITY = (7, 5)
 _GUIDE = "CUDA C++ Programming Guide, Compute Capabilities: technical specifications (cc {cc})"
 
 
@@ -32,6 +36,14 @@ class Target:
     @property
     def supports_bf16(self) -> bool:
         return self.compute_capability >= (8, 0)
+
+    @property
+    def unsupported(self) -> str | None:
+        """Why attngen cannot build for this GPU (None if it can)."""
+        if self.compute_capability >= MIN_COMPUTE_CAPABILITY:
+            return None
+        major, minor = MIN_COMPUTE_CAPABILITY
+        return f"Triton {TRITON} needs sm_{major}{minor}+"
 
 
 def _t(name, full, cc, sms, smem_sm_kib, smem_block_kib, sm_source):
@@ -69,8 +81,22 @@ def get_target(name: str) -> Target:
 
     key = name.lower()
     if key in TARGETS:
-        return TARGETS[key]
+        return supported(TARGETS[key])
     raise PlanError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)} (or auto)")
+
+
+def supported(target: Target) -> Target:
+    """The target, if Triton can build for it; else a PlanError that says why (before anything is generated: a
+    kernel planned for it would only fail later, in Triton's compiler)."""
+    from .errors import PlanError
+
+    if target.unsupported:
+        cc = ".".join(map(str, target.compute_capability))
+        need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        raise PlanError(f"{target.full_name} ({target.name}) is compute capability {cc} (sm_{target.arch}): Triton {TRITON}, which attngen's "
+                        f"kernels are written for, builds for {need} (sm_{MIN_COMPUTE_CAPABILITY[0]}{MIN_COMPUTE_CAPABILITY[1]}) and newer; "
+                        f"pick a newer target (`attngen targets` marks the unsupported ones)")
+    return target
 
 
 def detect() -> Target:
@@ -92,7 +118,7 @@ def detect() -> Target:
             best = t
             break
     key = best.name if best else "cuda-" + "".join(ch if ch.isalnum() else "-" for ch in name).strip("-")
-    return Target(
+    return supported(Target(
         name=key,
         full_name=props.name,
         compute_capability=cc,
@@ -100,4 +126,4 @@ def detect() -> Target:
         smem_per_sm=smem_sm,
         smem_per_block=smem_block,
         sources=("read from the live device (torch.cuda.get_device_properties)",),
-    )
+    ))

@@ -23,7 +23,8 @@ def _run(kern, q, k, v, **kwargs):
     return (out, lse, *grads)
 
 
-@pytest.mark.parametrize("extra", ["", "mask = q_idx >= kv_idx block_m = 16 block_n = 16", "loop_order = kv_outer"])
+@pytest.mark.parametrize("extra", ["", pytest.param("mask = q_idx >= kv_idx block_m = 16 block_n = 16", marks=pytest.mark.slow),  # 16x16 tiles: ~10 s
+                                   "loop_order = kv_outer"])
 def test_all_blocks_kept_equals_dense(extra, device, target):
     """With every block kept, the sparse kernels visit the dense kernels' tiles in the same order: same bits."""
     text = SPARSE.format(extra=extra).replace("sparse_block = 32", "sparse_block = 128")

@@ -1,12 +1,17 @@
 """The command line: build, plan, targets, check; spec errors print file:line:col and exit 2, writing nothing."""
+import argparse
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from attngen.cli import main
+import attngen
+from attngen import verify
+from attngen.cli import build_parser, main
 
 ROOT = Path(__file__).parent.parent
 
@@ -59,10 +64,99 @@ def test_targets_lists_the_table(capsys):
     assert "CUDA C++ Programming Guide" in out
 
 
+def test_targets_marks_what_triton_cannot_build(capsys):
+    assert main(["targets"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:] if line.strip() and not line.startswith("sources")}
+    assert rows["v100"].endswith("unsupported: Triton 3.6 needs sm_75+")
+    assert [name for name, line in rows.items() if "unsupported" in line] == ["v100"]  # t4 (7.5) is the oldest Triton 3.6 builds for
+
+
+@pytest.mark.parametrize("command", [["plan"], ["build", "--no-binaries"], ["build"]])
+def test_unsupported_target_exits_2_and_says_why(command, tmp_path, capsys):
+    # an fp16 spec: nothing else stands in the way on a V100
+    argv = [command[0], str(ROOT / "specs" / "local_window.attn"), "--target", "v100", *command[1:]]
+    if command[0] == "build":
+        argv += ["-o", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "attngen: cannot plan: " in err
+    assert "NVIDIA V100 SXM2 (v100) is compute capability 7.0 (sm_70): Triton 3.6, which attngen's kernels are written for, builds for 7.5" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    triton, torch = importlib.metadata.version("triton"), importlib.metadata.version("torch")
+    assert capsys.readouterr().out == f"attngen {attngen.__version__} (Triton {triton}, torch {torch})\n"
+
+
 def test_check_runs_the_reference_comparison(capsys, device):
     assert main(["check", str(ROOT / "specs" / "local_window.attn"), "--device", device, "--quick", "--dtype", "fp32"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "out err/bound" in out and "all passed" in out and out.count(" ok") >= 3
+    assert f"attngen check [3/3]: {ROOT / 'specs' / 'local_window.attn'}, fp32, (B,Hq,Hkv,Nq,Nk) = (1, 4, 2, 65, 63) on {device}" in captured.err
+
+
+def test_check_reports_each_case_before_running_it(monkeypatch, capsys):
+    """Progress goes to stderr as the check goes: each case's line is out before the case runs, the tables after all."""
+    seen = []
+
+    def fake_check(kernel, shape, device):
+        captured = capsys.readouterr()
+        seen.append((captured.err, captured.out))
+        return verify.Result(shape, kernel.spec.dtype.value, {"out": (0.0, 0.0, 1.0)})
+
+    monkeypatch.setattr(verify, "check_one", fake_check)
+    specs = [str(ROOT / "specs" / name) for name in ("local_window.attn", "causal.attn")]
+    assert main(["check", *specs, "--quick", "--dtype", "fp32", "--dtype", "fp16"]) == 0
+    cases = [(spec, dtype, shape) for spec in specs for dtype in ("fp32", "fp16") for shape in verify.CPU_SHAPES[:3]]
+    assert len(seen) == len(cases) == 12
+    for i, ((err, out), (spec, dtype, shape)) in enumerate(zip(seen, cases), 1):
+        assert err == f"attngen check [{i}/12]: {spec}, {dtype}, (B,Hq,Hkv,Nq,Nk) = {shape} on cpu\n"
+        assert ("err/bound" in out) == (i == 7)  # the first spec's table comes after its six cases
+    assert "all passed" in capsys.readouterr().out
+
+
+def _synopsis() -> dict[str, str]:
+    """The README's command-line synopsis: each line's command (or --version) -> the line, comment dropped."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    return {line.split()[1]: line.split("#", 1)[0].rstrip() for line in block.splitlines() if line.startswith("attngen ")}
+
+
+def _options(line: str) -> dict[str, bool]:
+    """Each option a synopsis line shows -> whether it is required (first shown outside brackets)."""
+    found, depth = {}, 0
+    for m in re.finditer(r"\[|\]|(?<![\w-])(--?[a-z][\w-]*)", line):
+        if m.group() == "[":
+            depth += 1
+        elif m.group() == "]":
+            depth -= 1
+        else:
+            found.setdefault(m.group(1), depth == 0)
+    return found
+
+
+def test_readme_synopsis_matches_the_parser():
+    """Every option of every command is in the README's synopsis (by one of its spellings), marked optional unless
+    it is required, and the synopsis shows nothing the parser does not take."""
+    parser = build_parser()
+    synopsis = _synopsis()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(synopsis) == set(commands.choices) | {"--version"}
+    assert _options(synopsis["--version"]) == {"--version": True}
+    for name, sub in commands.choices.items():
+        shown = _options(synopsis[name])
+        actions = [a for a in sub._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+        for action in actions:
+            spelled = [opt for opt in action.option_strings if opt in shown]
+            assert len(spelled) == 1, f"attngen {name}: the README shows {action.option_strings} {len(spelled)} times"
+            assert shown[spelled[0]] == action.required, f"attngen {name} {spelled[0]}: required is {action.required}"
+        assert set(shown) <= {opt for a in actions for opt in a.option_strings}, f"attngen {name}: the README shows an unknown option"
 
 
 def test_console_script_runs_from_another_directory(tmp_path):

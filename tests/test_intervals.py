@@ -38,6 +38,7 @@ def _float_masks():
         lambda t: Binary(t[3], wrap(t[2], Binary("/", t[0], Const(t[1] * 7, Type.INT))), Const(t[4], Type.FLOAT)))
 
 
+@pytest.mark.slow
 @settings(max_examples=3000, deadline=None)
 @given(mask=st.one_of(bool_exprs(), _float_masks()), tile=tiles)
 def test_classifier_is_sound(mask, tile):

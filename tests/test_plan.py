@@ -1,13 +1,15 @@
 """Planning: the paper's rule, then the recorded rounding/clamping; pure; errors for what cannot be built."""
 import dataclasses
 import math
+import types
 
 import pytest
+import torch
 
 from attngen.check import load_spec
 from attngen.errors import PlanError
 from attngen.plan import MAX_TILE, MIN_TILE, plan
-from attngen.targets import TARGETS, get_target
+from attngen.targets import TARGETS, detect, get_target
 
 
 def _spec(extra="", d=128, dtype="bf16"):
@@ -38,7 +40,11 @@ def test_paper_rule_on_t4_fp16_d64():
 @pytest.mark.parametrize("d", [16, 17, 64, 80, 128, 200, 256])
 def test_every_plan_is_buildable(target, dtype, d):
     spec = _spec(d=d, dtype=dtype)
-    tgt = get_target(target)
+    tgt = TARGETS[target]
+    if tgt.unsupported:  # listed, but Triton cannot build for it (test_unsupported_targets_are_refused)
+        with pytest.raises(PlanError, match="builds for 7.5"):
+            plan(spec, target)
+        return
     if dtype == "bf16" and not tgt.supports_bf16:
         with pytest.raises(PlanError, match="bf16 needs compute capability 8.0"):
             plan(spec, target)
@@ -85,6 +91,30 @@ def test_runtime_sparsity_keeps_tiles_inside_sparse_blocks():
     assert any(s.what == "block sparsity" for s in p.steps)
     with pytest.raises(PlanError, match="block_n = 64 is larger than sparse_block = 32"):
         plan(_spec("sparsity = runtime sparse_block = 32 block_n = 64"), "h100")
+
+
+def test_unsupported_targets_are_refused(monkeypatch):
+    """Triton 3.6 builds for compute capability 7.5 and newer: an older GPU is refused by name, from the spec's
+    target and as the live device, with the reason, before the bf16 check (which would suggest fp16)."""
+    assert [name for name, t in TARGETS.items() if t.unsupported] == ["v100"]
+    why = r"NVIDIA V100 SXM2 \(v100\) is compute capability 7.0 \(sm_70\): Triton 3.6, which attngen's kernels are written for, builds for 7.5"
+    for spec, target in ((_spec(dtype="fp16"), "v100"), (_spec(dtype="fp16"), "V100"), (_spec("target = v100", dtype="fp16"), None),
+                         (_spec(), "v100")):
+        with pytest.raises(PlanError, match=why):
+            plan(spec, target)
+    with pytest.raises(PlanError, match=why):
+        get_target("v100")
+    assert get_target("t4").compute_capability == (7, 5)
+
+    v100 = types.SimpleNamespace(name="Tesla V100-SXM2-16GB", major=7, minor=0, multi_processor_count=80,
+                                 shared_memory_per_block_optin=96 * 1024, shared_memory_per_multiprocessor=96 * 1024)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: v100)
+    with pytest.raises(PlanError, match=r"Tesla V100-SXM2-16GB \(v100\) is compute capability 7.0 \(sm_70\): Triton 3.6"):
+        plan(_spec(dtype="fp16"), "auto")
+    monkeypatch.setattr(v100, "minor", 5)  # a GPU of 7.5 not in the table is planned for, under its own name
+    assert detect().name == "cuda-tesla-v100-sxm2-16gb"
 
 
 def test_unknown_target():

@@ -123,6 +123,7 @@ def test_torch_compile_without_fullgraph_runs_the_kernel(target):
         assert not torch.isnan(b).any() and torch.equal(a, b)
 
 
+@pytest.mark.slow  # a subprocess that imports torch and triton
 def test_interpreter_set_after_triton_was_imported_is_explained(tmp_path, device):
     """TRITON_INTERPRET=1 set after `import triton`: Triton's own functions were made for the GPU, and the call
     failed with "Cannot call @triton.jit'd outside of the scope of a kernel". Now an InputError says what to do."""
@@ -165,6 +166,7 @@ def test_auto_target_without_a_gpu_plans_for_the_default(monkeypatch, device):
         attngen.compile(ROOT / "specs" / "dense.attn")  # once per process
 
 
+@pytest.mark.slow  # a subprocess
 def test_readme_cpu_example_runs(device):
     """The README's example for machines without a GPU, run as written from the repository root."""
     if device != "cpu":

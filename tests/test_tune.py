@@ -132,6 +132,7 @@ SPECS = {
 }
 
 
+@pytest.mark.slow  # 20-100 s each on 2 cores: the tuner runs every candidate tiling in the interpreter
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_tuned_kernels_match_the_reference(name, device, tmp_path):
     spec = load_spec(SPECS[name])
@@ -160,6 +161,7 @@ def test_tuned_kernels_match_the_reference(name, device, tmp_path):
     assert on_disk["entries"] == json.loads(json.dumps(entries))
 
 
+@pytest.mark.slow  # about 10 s: tunes, then runs the tuned kernels in the interpreter
 def test_tuning_cache_is_reused_and_checked(tmp_path):
     text = f"attention t {{ head_dim = 16 dtype = fp32 mask = q_idx >= kv_idx {AUTO} }}"
     first = attngen.compile(text, "h100")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.slow  # pip in subprocesses: builds a wheel, installs it into a new virtual environment
 
 
 def _run(cmd, **kw):
