@@ -30,6 +30,10 @@ def __getattr__(name):
         from .naive import reference
 
         return reference
+    if name == "TargetWarning":
+        from .plan import TargetWarning
+
+        return TargetWarning
     if name == "load_spec":
         from .check import load_spec
 
@@ -51,6 +55,7 @@ __all__ = [
     "block_mask_from",
     "block_mask_from_dense",
     "load_spec",
+    "TargetWarning",
     "load",
     "BundleError",
     "BundleWarning",
