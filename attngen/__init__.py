@@ -14,10 +14,18 @@ from .errors import AttngenError, InputError, PlanError, SpecError, SpecSyntaxEr
 def __getattr__(name):
     # Heavy pieces (torch, triton) load on first use, so `import attngen` stays cheap and the CLI can set
     # TRITON_INTERPRET before Triton is imported.
-    if name in ("compile", "Kernel", "dropout_mask", "dropout_probability"):
-        from . import runtime
+    if name == "compile":
+        from .api import compile
 
-        return getattr(runtime, name)
+        return compile
+    if name == "Kernel":
+        from .runtime import Kernel
+
+        return Kernel
+    if name in ("dropout_mask", "dropout_probability"):
+        from . import dropout
+
+        return getattr(dropout, name)
     if name in ("load", "BundleError", "BundleWarning"):
         from . import bundle
 

@@ -345,7 +345,8 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
     from .check import read_spec
     from .errors import PlanError
     from .plan import plan as make_plan
-    from .render import build_source, versions
+    from .codegen import versions
+    from .codegen.triton import build_source
 
     out_dir = Path(out_dir)
     spec_objs = [read_spec(s) for s in specs]
@@ -588,11 +589,12 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
     matching the build, the kernels launch the bundle's binaries with no compilation; otherwise (see the
     module doc for the checks) a BundleWarning says why and the spec is compiled just in time, or, with
     strict=True, BundleError is raised. `kernel.bundle` tells what happened."""
-    from . import runtime
+    from . import loader, runtime
     from .canonical import spec_hash as hash_of
     from .check import load_spec
     from .plan import plan as make_plan
-    from .render import build_source, versions
+    from .codegen import versions
+    from .codegen.triton import build_source
 
     directory = Path(directory).resolve()
     manifest = read_manifest(directory)
@@ -626,7 +628,7 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
         return _fallback(spec_obj, target or ("auto" if arch is not None else entry["target"]), directory, entry, reason, strict)
 
     module_path = directory / entry["module"]["path"]
-    with runtime._lock:
+    with loader.lock:
         module = _import_compiled(f"attngen_bundle_{entry['name']}_{entry['target'].replace('-', '_')}_{entry['module']['sha256'][:12]}",
                                   module_path, text)
     stats = BundleStats()

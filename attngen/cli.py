@@ -161,7 +161,7 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from .render import versions
+        from .codegen import versions
 
         v = versions()
         print(f"attngen {v['attngen']} (Triton {v['triton']}, torch {v['torch']})")

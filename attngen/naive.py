@@ -125,7 +125,7 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     if dropout_p > 0.0:
         if seed is None:
             raise ValueError("reference(..., dropout_p > 0) needs the seed the kernel was called with")
-        from .runtime import dropout_mask, dropout_probability  # the kernels' keep pattern (generated code; Triton)
+        from .dropout import dropout_mask, dropout_probability  # the kernels' keep pattern (generated code; Triton)
 
         keep = dropout_mask(seed, dropout_p, B, Hq, Nq, Nk, q.device)
         p = p * keep.to(p.dtype) / (1.0 - dropout_probability(dropout_p))

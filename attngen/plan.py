@@ -306,7 +306,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     # fp32 products (input_precision="ieee") feed P to the second product through shared memory; 16-bit P stays in
     # registers. Measured on the H100: fp32 at d=64 with 3 stages needed 246016 bytes where Q + 3 K/V stages are 212992.
     # Dropout: a key tile of 64 or more keys gets its keep tile in the score tile's own layout (each thread draws
-    # the Philox values of the keys it holds: templates/dropout.py.jinja); a smaller one is cut from a 64-key
+    # the Philox values of the keys it holds: templates/triton/dropout.py.jinja); a smaller one is cut from a 64-key
     # group, which goes through shared memory, one byte per pair (before session 6 every tile did: 128x128 tiles
     # at d=128 needed 245760 bytes with 3 stages on the H100, 16384 more than without dropout).
     def keep_bytes(bn: int) -> int:

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import os
-import sys
-import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,16 +12,16 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from . import cache
 from .blocks import block_lists
 from .check import read_spec
+from .codegen.triton import build_source
 from .errors import InputError, PlanError
 from .expr import SCORE_VARS, Scope, input_reads
+from .loader import check_device, load_module
 from .naive import evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
 from .ranges import MAX_EXTENT
-from .render import build_dropout_source, build_source
 from .spec import DType, Index, Spec, Var
 from .tune import Tuner
 from .tune import bucket as tune_bucket
@@ -41,17 +38,6 @@ _TORCH_DTYPES = {
 }
 
 LN2 = 0.6931471805599453
-_modules: dict[str, ModuleType] = {}
-_lock = threading.Lock()
-
-
-def _import(path: Path) -> ModuleType:
-    name = f"attngen_generated_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # Triton resolves a kernel's globals and source through its module
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass(frozen=True)
@@ -115,7 +101,7 @@ class Kernel:
         for what, n in (("batch size", B), ("number of query heads", Hq), ("query length", Nq), ("key length", Nk)):
             if n >= MAX_EXTENT:  # the integer analysis of the spec's expressions (ranges.py) assumes less
                 raise InputError(f"the {what} is {n}; attngen supports at most {MAX_EXTENT - 1} (2**30 - 1)")
-        _check_device(q.device, self.module)
+        check_device(q.device, self.module)
         dims = _Dims(B, Hq, Hkv, Nq, Nk)
 
         declared = [d.name for d in spec.inputs]
@@ -273,35 +259,8 @@ def _float32_twin(kernel: Kernel) -> Kernel:
         twin = dataclasses.replace(twin, block_m=None, block_n=None, num_warps=None, num_stages=None, tune=frozenset())
         twin_plan = make_plan(twin, kernel.plan.target, classify=kernel.plan.classify)
     key, source = build_source(twin_plan)
-    module = _load(twin.name, key, source)
+    module = load_module(twin.name, key, source)
     return Kernel(twin, twin_plan, source, Path(module.__file__), module)
-
-
-def _check_device(device: torch.device, module: ModuleType | None = None) -> None:
-    if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise InputError("CPU tensors run through Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or use CUDA tensors")
-        _check_interpreted(module)
-    elif device.type != "cuda":
-        raise InputError(f"unsupported device {device}")
-
-
-_INTERPRET_LATE = ("TRITON_INTERPRET=1 was set after {what} was imported, so its kernels were made for the GPU and cannot "
-                   "run in the interpreter (Triton reads the variable when it defines a kernel). Set it before anything "
-                   "imports triton or attngen compiles a spec: `TRITON_INTERPRET=1 python script.py`, or os.environ at "
-                   "the very top of the script")
-
-
-def _check_interpreted(module: ModuleType | None) -> None:
-    """CPU calls need Triton's own library functions and the generated kernels defined in interpreter mode;
-    otherwise Triton fails deep inside with 'Cannot call @triton.jit'd outside of the scope of a kernel'."""
-    import triton.language.standard as standard
-    from triton.runtime.jit import JITFunction
-
-    if isinstance(standard.sigmoid, JITFunction):
-        raise InputError(_INTERPRET_LATE.format(what="triton"))
-    if module is not None and any(isinstance(f, JITFunction) for f in vars(module).values()):
-        raise InputError(_INTERPRET_LATE.format(what=f"the generated module {Path(module.__file__).name}"))
 
 
 def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
@@ -417,57 +376,13 @@ def _sum_by_element(flat: torch.Tensor, values: torch.Tensor, n: int) -> torch.T
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-            classify: bool = True, bundle: str | os.PathLike | None = None, strict: bool = False) -> Kernel:
-    """Parse, check, plan, render, cache and load a spec. `spec` is a path, spec text, or a Spec;
-    `target` overrides the spec's target (a name from `attngen targets`, or "auto"). `classify=False`
-    builds kernels that visit and mask every tile (a baseline to measure tile classification against).
-    `bundle`: a directory from `attngen build -o DIR`; its prebuilt binaries of this spec for the live GPU are
-    used (no compilation), else a BundleWarning says why and the spec is compiled just in time (with
-    strict=True: BundleError). See attngen.load."""
+            classify: bool = True) -> Kernel:
+    """Parse, check, plan, render, cache and load a spec just in time (attngen.compile, with bundle=, can take
+    prebuilt binaries instead). `spec` is a path, spec text, or a Spec; `target` overrides the spec's target (a
+    name from `attngen targets`, or "auto"). `classify=False` builds kernels that visit and mask every tile (a
+    baseline to measure tile classification against)."""
     spec_obj = read_spec(spec)
-    if bundle is not None:
-        if not classify:
-            raise InputError("classify=False builds a measurement baseline, which bundles do not hold; drop bundle= or classify=")
-        from .bundle import load
-
-        return load(bundle, spec=spec_obj, strict=strict, target=target)
     kernel_plan = make_plan(spec_obj, target, classify=classify)
     key, source = build_source(kernel_plan)
-    module = _load(spec_obj.name, key, source, Path(cache_dir) if cache_dir else None)
+    module = load_module(spec_obj.name, key, source, Path(cache_dir) if cache_dir else None)
     return Kernel(spec_obj, kernel_plan, source, Path(module.__file__), module)
-
-
-def _load(name: str, key: str, source: str, cache_dir: Path | None = None) -> ModuleType:
-    """The generated module of `key`: imported once per process, from the disk cache."""
-    with _lock:
-        module = _modules.get(key)
-        if module is None:
-            module = _import(cache.store(name, key, source, cache_dir))
-            _modules[key] = module
-    return module
-
-
-def _dropout_module() -> ModuleType:
-    return _load("dropout", *build_dropout_source())
-
-
-def dropout_mask(seed: int, dropout_p: float, batch: int, heads: int, q_len: int, kv_len: int, device="cpu") -> torch.Tensor:
-    """The exact keep mask (bool, batch x heads x q_len x kv_len; heads = query heads) that every attngen kernel
-    with dropout uses for this seed and probability, the same for every spec, tiling and loop order. Pair
-    (b, h, q_idx, kv_idx) is kept iff its 16-bit value is >= round(dropout_p * 65536): with r[0..3] the outputs
-    of Philox-4x32-10 with the counters (q_idx, 8 * (kv_idx // 64) + (kv_idx % 16) // 2, b * heads + h, 0) and
-    the seed as key, the value is r[(kv_idx % 64) // 16] >> (16 * (kv_idx % 2)) & 0xFFFF (one call per 8 keys).
-    Kept probabilities are scaled by 1 / (1 - dropout_probability(dropout_p))."""
-    if not 0.0 <= dropout_p < 1.0:
-        raise InputError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
-    device = torch.device(device)
-    module = _dropout_module()
-    _check_device(device, module)
-    return module.dropout_mask(seed, float(dropout_p), batch, heads, q_len, kv_len, device)
-
-
-def dropout_probability(dropout_p: float) -> float:
-    """The drop probability the kernels apply for dropout_p: rounded to a multiple of 1/65536 (the keep decision
-    compares 16-bit random values), e.g. 0.1 -> 6554 / 65536 = 0.100006."""
-    module = _dropout_module()
-    return module._dropout_threshold(dropout_p) / module.DROPOUT_LEVELS

@@ -1,10 +1,10 @@
 """A/B test of two template directories on the GPU: the same plans rendered from each, outputs compared, the
 forward and the backward timed alternately (A, B, A, B: drift between the two falls on both).
 
-    python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR [--b templates] [--specs dense causal]
+    python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR [--b templates/triton] [--specs dense causal]
                                       [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
 
-Keep A as a copy of the templates before a change (e.g. `git archive HEAD templates | tar -x -C /tmp/a`).
+Keep A as a copy of the templates before a change (e.g. `git archive HEAD templates/triton | tar -x -C /tmp/a`, then --a /tmp/a/templates/triton).
 """
 import argparse
 import json
@@ -15,24 +15,23 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from attngen import render  # noqa: E402
+from attngen.codegen import Templates  # noqa: E402
+from attngen.codegen.triton import render  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
-from attngen.runtime import _load  # noqa: E402
+from attngen.loader import load_module as _load  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
 
 
 def module_from(templates: Path, plan):
     """The generated module of `plan` rendered from `templates` (the cache key covers the templates' digest)."""
-    render.templates_dir = lambda: templates
-    render._env.cache_clear()
-    render.templates_digest.cache_clear()
+    render.TEMPLATES = Templates("triton", "module.py.jinja", directory=templates)
     return _load(plan.spec.name, *render.build_source(plan))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", required=True, type=Path)
-    ap.add_argument("--b", default=ROOT / "templates", type=Path)
+    ap.add_argument("--b", default=ROOT / "templates" / "triton", type=Path)
     ap.add_argument("--specs", nargs="+", default=["dense", "causal"])
     ap.add_argument("--dims", nargs="+", type=int, default=[128, 64])
     ap.add_argument("--seq", nargs="+", type=int, default=[4096, 16384])

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch
 from attngen.plan import plan as make_plan
-from attngen.render import build_source
-from attngen.runtime import _load
+from attngen.codegen.triton import build_source
+from attngen.loader import load_module as _load
 from harness import median_ms, versions
 from masks import spec_of, random_documents
 spec = spec_of("document")

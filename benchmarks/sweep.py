@@ -20,8 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from attngen.render import build_source  # noqa: E402
-from attngen.runtime import _load  # noqa: E402
+from attngen.codegen.triton import build_source  # noqa: E402
+from attngen.loader import load_module as _load  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
 
 H, D = 16, 128

@@ -15,8 +15,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.plan import plan as make_plan  # noqa: E402
-from attngen.render import build_source  # noqa: E402
-from attngen.runtime import Kernel, _load  # noqa: E402
+from attngen.codegen.triton import build_source  # noqa: E402
+from attngen.loader import load_module as _load  # noqa: E402
+from attngen.runtime import Kernel  # noqa: E402
 from harness import time_fwd_bwd, versions  # noqa: E402
 from masks import random_documents, spec_of  # noqa: E402
 

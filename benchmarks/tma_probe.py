@@ -22,8 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.plan import plan as make_plan  # noqa: E402
-from attngen.render import build_source  # noqa: E402
-from attngen.runtime import _load  # noqa: E402
+from attngen.codegen.triton import build_source  # noqa: E402
+from attngen.loader import load_module as _load  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
 
 VARIANTS = {"ptr": dict(tma=False), "tma": dict(tma=True), "ws": dict(tma=True, warp_specialize=True)}

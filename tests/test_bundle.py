@@ -84,7 +84,7 @@ def test_manifest_validates(built, tmp_path):
     attngen renders for that spec and target."""
     from attngen.canonical import spec_hash
     from attngen.plan import plan
-    from attngen.render import build_source
+    from attngen.codegen.triton import build_source
 
     out, _ = built
     m = bundle.read_manifest(out)
@@ -226,7 +226,7 @@ def test_recording_covers_every_flag_the_spec_implies(spec, flags):
     head count or seed value (they are not specialized), so three sequence lengths give few binaries."""
     from attngen.check import read_spec
     from attngen.plan import plan
-    from attngen.render import build_source
+    from attngen.codegen.triton import build_source
 
     p = plan(read_spec(ROOT / "specs" / spec), "h100")
     _, source = build_source(p)

@@ -7,7 +7,8 @@ import pytest
 from attngen import cache
 from attngen.check import load_spec
 from attngen.plan import plan
-from attngen.render import build_source
+from attngen.codegen.triton import build_source
+from attngen.codegen.triton.render import TEMPLATES
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
@@ -31,7 +32,7 @@ def test_key_changes_with_spec_target_and_plan():
 def test_key_covers_the_templates(monkeypatch):
     p = plan(load_spec("attention t { head_dim = 64 }"), "h100")
     key = build_source(p)[0]
-    monkeypatch.setattr("attngen.render.templates_digest", lambda: "edited")
+    monkeypatch.setattr(TEMPLATES, "digest", lambda: "edited")
     assert build_source(p)[0] != key
 
 

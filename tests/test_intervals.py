@@ -132,7 +132,7 @@ def _expected_ranges(classes, length, block):
 
 def _with_probe(tmp_path, name: str, source: str):
     """The generated module `source` plus a probe kernel that calls its own _tile_range, imported."""
-    from attngen.runtime import _import
+    from attngen.loader import _import
 
     path = tmp_path / f"{name}.py"
     path.write_text(source)
@@ -230,7 +230,7 @@ def test_kernel_tile_ranges_with_inputs_are_sound(name, tmp_path):
     """Every tile the kernels skip keeps no pair, every tile they run unmasked keeps all, for random inputs (and
     inputs shorter than the sequence, which read 0); with tile-aligned inputs the ranges are exact."""
     import attngen
-    from attngen.render import context
+    from attngen.codegen.triton import context
 
     decl_text, mask_text = INPUT_MASKS[name]
     kern = attngen.compile(f"attention t {{ head_dim = 16 dtype = fp32 {decl_text} mask = {mask_text} block_m = 16 block_n = 16 }}", "h100")

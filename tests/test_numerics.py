@@ -143,14 +143,15 @@ def test_tensor_descriptor_loads(name, device, target):
     `attngen check`, and with inputs it cannot read in place: a view starting 4 bytes into its storage and a dO
     with a stride along head_dim (the launchers copy those)."""
     from attngen import runtime
+    from attngen.loader import load_module
     from attngen.plan import plan as make_plan
-    from attngen.render import build_source
+    from attngen.codegen.triton import build_source
 
     spec = dataclasses.replace(load_spec(TMA_SPECS[name]), dtype=DType.FP32)
     kplan = dataclasses.replace(make_plan(spec, target), tma=True)
     key, source = build_source(kplan)
     assert "tl.make_tensor_descriptor" in source and "_tma_ready" in source
-    module = runtime._load(spec.name, key, source)
+    module = load_module(spec.name, key, source)
     kern = runtime.Kernel(spec, kplan, source, Path(module.__file__), module)
     _check(kern, device, shapes=((1, 4, 2, 45, 70), (2, 2, 2, 33, 33)))
 

@@ -6,7 +6,8 @@ import pytest
 
 from attngen.check import load_spec
 from attngen.plan import plan
-from attngen.render import render, templates_dir, versions
+from attngen.codegen import templates_root, versions
+from attngen.codegen.triton import render
 
 SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
 
@@ -87,4 +88,4 @@ def test_q_only_input_loads_are_hoisted_out_of_the_key_loop():
 
 
 def test_templates_are_found():
-    assert (templates_dir() / "module.py.jinja").is_file()
+    assert (templates_root() / "triton" / "module.py.jinja").is_file()

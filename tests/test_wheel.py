@@ -29,7 +29,7 @@ def wheel(tmp_path_factory):
 
 def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    templates = {p.name for p in (ROOT / "templates").glob("*.jinja")}
+    templates = {p.relative_to(ROOT / "templates").as_posix() for p in (ROOT / "templates").rglob("*.jinja")}
     assert templates and {f"attngen/templates/{t}" for t in templates} <= names
     assert "attngen/grammar.lark" in names
     assert any(n.endswith("entry_points.txt") for n in names)

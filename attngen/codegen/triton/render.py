@@ -1,73 +1,21 @@
-"""render(plan) -> Triton source text, from the Jinja templates in templates/.
+"""render(plan) -> Triton source text, from the Jinja templates in templates/triton/.
 
 Templates receive only plan values (ints, enums, floats printed with repr) and code fragments lowered by
 attngen/expr.py; no spec text reaches them.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.metadata
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-import jinja2
-
-from . import __version__
-from . import expr as ex
-from .canonical import format_spec
-from .errors import AttngenError
-from .intervals import lower_tile_class
-from .plan import KernelPlan
-from .spec import DType, LoopOrder
+from ... import expr as ex
+from ...canonical import format_spec
+from ...intervals import lower_tile_class
+from ...plan import KernelPlan
+from ...spec import DType, LoopOrder
+from .. import Templates, versions
 
 LOG2E = 1.4426950408889634
-
-
-class TemplateError(AttngenError):
-    """A template failed to render: an attngen bug, reported with the template's file and line."""
-
-
-def templates_dir() -> Path:
-    """Installed wheels carry the templates inside the package; a source checkout has them at the top level."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "templates", here.parent / "templates"):
-        if (candidate / "module.py.jinja").is_file():
-            return candidate
-    raise TemplateError(f"attngen's templates are missing (looked in {here / 'templates'} and {here.parent / 'templates'})")
-
-
-@functools.lru_cache(maxsize=1)
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-
-
-@functools.lru_cache(maxsize=1)
-def templates_digest() -> str:
-    """sha256 over every template file: part of the cache key, so editing a template invalidates the cache."""
-    h = hashlib.sha256()
-    for path in sorted(templates_dir().glob("*.jinja")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def versions() -> dict[str, str]:
-    out = {"attngen": __version__}
-    for dist in ("triton", "torch"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
+TEMPLATES = Templates("triton", "module.py.jinja")
 
 
 @dataclass(frozen=True)
@@ -169,38 +117,24 @@ def context(plan: KernelPlan) -> dict:
 def build_source(plan: KernelPlan) -> tuple[str, str]:
     """(cache key, generated source) of a plan. The key covers the spec, the plan, the templates and the
     attngen/triton/torch versions."""
-    from .cache import cache_key
+    from ...cache import cache_key
 
     source = render(plan)
     ver = versions()
-    key = cache_key(format_spec(plan.spec), repr(plan), templates_digest(), ver["attngen"], ver["triton"], ver["torch"])
+    key = cache_key(format_spec(plan.spec), repr(plan), TEMPLATES.digest(), ver["attngen"], ver["triton"], ver["torch"])
     return key, source
 
 
 def build_dropout_source() -> tuple[str, str]:
     """(cache key, source) of the module behind attngen.dropout_mask: the keep pattern alone."""
-    from .cache import cache_key
+    from ...cache import cache_key
 
     ver = versions()
-    source = _render_template("dropout_module.py.jinja", {"versions": ver})
-    return cache_key("dropout", templates_digest(), ver["attngen"], ver["triton"], ver["torch"]), source
+    source = TEMPLATES.render("dropout_module.py.jinja", {"versions": ver})
+    return cache_key("dropout", TEMPLATES.digest(), ver["attngen"], ver["triton"], ver["torch"]), source
 
 
 def render(plan: KernelPlan) -> str:
     """The generated module's source text."""
-    return _render_template("module.py.jinja", context(plan))
+    return TEMPLATES.render("module.py.jinja", context(plan))
 
-
-def _render_template(name: str, values: dict) -> str:
-    try:
-        return _env().get_template(name).render(**values)
-    except jinja2.TemplateSyntaxError as err:
-        raise TemplateError(f"{err.filename or err.name}:{err.lineno}: {err.message}") from err
-    except jinja2.TemplateError as err:
-        tb = sys.exc_info()[2]
-        where = ""
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename.endswith(".jinja"):
-                where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}: "
-            tb = tb.tb_next
-        raise TemplateError(f"{where}{err}") from err
