@@ -22,6 +22,8 @@ def format_spec(spec: Spec) -> str:
         lines.append(f"    sparse_block = {spec.sparse_block}")
     lines.append(f"    loop_order = {spec.loop_order.value}")
     lines.append(f"    target = {spec.target}")
+    if spec.backend.value != "auto":  # printed only when chosen, so the hashes of existing specs stay what they were
+        lines.append(f"    backend = {spec.backend.value}")
     for key in ("block_m", "block_n", "num_warps", "num_stages"):
         val = "auto" if key in spec.tune else getattr(spec, key)
         if val is not None:

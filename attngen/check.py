@@ -10,7 +10,7 @@ from pathlib import Path
 from . import expr as ex
 from .errors import AttngenError, SpecError
 from .ranges import INT32, INT64, integer_range, within
-from .spec import Binary, Call, Const, DType, Expr, InputDecl, INPUT_DTYPES, LoopOrder, Spec, Type, Unary, Var
+from .spec import Backend, Binary, Call, Const, DType, Expr, InputDecl, INPUT_DTYPES, LoopOrder, Spec, Type, Unary, Var
 from .syntax import ParsedSpec, Setting, parse
 from .targets import TARGETS
 
@@ -25,6 +25,7 @@ SETTINGS = (
     "sparse_block",
     "loop_order",
     "target",
+    "backend",
     "block_m",
     "block_n",
     "num_warps",
@@ -210,6 +211,8 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
         values["loop_order"] = LoopOrder(_choice(seen["loop_order"], tuple(o.value for o in LoopOrder)))
     if "target" in seen:
         values["target"] = _choice(seen["target"], ("auto",) + tuple(TARGETS))
+    if "backend" in seen:
+        values["backend"] = Backend(_choice(seen["backend"], tuple(b.value for b in Backend)))
     tune = set()
     for key, lo, hi, pow2 in (("block_m", 16, 256, True), ("block_n", 16, 256, True), ("num_warps", 1, 16, True), ("num_stages", 1, 8, False)):
         if key in seen:

@@ -216,18 +216,27 @@ def _const(value, t: Type) -> Const:
     return Const(bool(value), Type.BOOL)
 
 
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
+
+
+def _floor_quotient(a: float, b: float) -> float:
+    """floor(a / b) of floats as the kernels compute it: a quotient below float32's normals is a signed zero."""
+    q = a / b
+    return math.copysign(0.0, q) if abs(q) < FLOAT32_TINY else float(math.floor(q))
+
+
 def _floordiv(a, b):
     """The language's `//`: integers round toward -inf and a // 0 = 0; floats are floor(a / b) (IEEE: a // 0.0
     is +-inf or NaN), as the kernels compute them (Python's float // differs in the last place)."""
     if isinstance(a, float) or isinstance(b, float):
-        return float(math.floor(a / b))
+        return _floor_quotient(a, b)
     return a // b if b != 0 else 0
 
 
 def _pymod(a, b):
     """The language's `%`: integers take the divisor's sign and a % 0 = a; floats are a - floor(a / b) * b."""
     if isinstance(a, float) or isinstance(b, float):
-        return a - math.floor(a / b) * b
+        return a - _floor_quotient(a, b) * b
     return a % b if b != 0 else a
 
 
@@ -544,6 +553,15 @@ HELPERS = {
         "    r = r + d * ((r != 0) & ((r < 0) != (d < 0))).to(r.dtype)\n"
         "    return tl.where(b == 0, a, r)\n"
     ),
+    "_floor_quotient": (
+        "@triton.jit\n"
+        "def _floor_quotient(a, b):\n"
+        '    """floor(a / b) of floats, IEEE-rounded (the floor of an approximate quotient can be off by 1); a quotient\n'
+        '    below the smallest normal float32 counts as a zero of its sign, as the division of the GPU flushes it."""\n'
+        "    q = tl.math.div_rn(a, b)\n"
+        "    q = tl.where(tl.abs(q) < 1.1754943508222875e-38, q * 0.0, q)\n"
+        "    return tl.math.floor(q)\n"
+    ),
     "_tanh": (
         "@triton.jit\n"
         "def _tanh(x):\n"
@@ -715,7 +733,8 @@ class Lowerer:
         if e.op in ("//", "%") and t is Type.FLOAT:
             a = self._paren(self._lower_as(e.lhs, Type.FLOAT), _PY_PREC["/"])
             b = self._paren(self._lower_as(e.rhs, Type.FLOAT), _PY_PREC["/"] + 1)
-            quotient = f"tl.math.floor(tl.math.div_rn({a}, {b}))"  # IEEE division: floor of an approximate quotient can be off by 1
+            self.helpers.add("_floor_quotient")
+            quotient = f"_floor_quotient({a}, {b})"
             if e.op == "//":
                 return quotient, _PY_ATOM
             return f"{a} - {quotient} * {b}", _PY_PREC["-"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import blocks
-from .expr import SCORE_VARS, Scope, typeof
+from .expr import FLOAT32_TINY, SCORE_VARS, Scope, typeof
 from .plan import effective_mask
 from .spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
 
@@ -66,7 +66,8 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
             ta, tb = _tensor(a, fdtype), _tensor(b, fdtype)
             if typeof(e, scope) is not Type.INT:  # floats: floor(a / b) and a - floor(a / b) * b (IEEE at b = 0)
                 ta, tb = ta.to(fdtype), tb.to(fdtype)
-                q = torch.floor(ta / tb)
+                q = ta / tb
+                q = torch.floor(torch.where(q.abs() < FLOAT32_TINY, q * 0.0, q))  # below float32's normals: a signed zero
                 return q if op == "//" else ta - q * tb
             # integers: floor division, remainder with the divisor's sign; a // 0 = 0 and a % 0 = a
             zero = tb == 0

@@ -30,6 +30,15 @@ class LoopOrder(enum.Enum):
     KV_OUTER = "kv_outer"  # FlashAttention-1, Algorithm 1: outer loop over key tiles, inner over query tiles
 
 
+class Backend(enum.Enum):
+    """Which code generator renders the kernels: auto picks Gluon where the target is sm_90 and the generator
+    supports the spec (attngen/codegen/gluon), the portable Triton generator everywhere else."""
+
+    AUTO = "auto"
+    TRITON = "triton"
+    GLUON = "gluon"
+
+
 class Type(enum.Enum):
     INT = "int"
     FLOAT = "float"
@@ -136,6 +145,7 @@ class Spec:
     sparse_block: int = 128
     loop_order: LoopOrder = LoopOrder.Q_OUTER
     target: str = "auto"
+    backend: Backend = Backend.AUTO
     # Tiles and launch options of the forward kernel: an int fixes the value; None derives it from the target
     # (attngen/plan.py). A key in `tune` was written `auto`: measured per shape on the GPU (attngen/tune.py).
     block_m: int | None = None

@@ -1,6 +1,7 @@
 """The expression IR: printing round-trips through the parser, folding and differentiation keep values, and
 lowered Triton code computes what the independent torch evaluator (attngen.naive.evaluate) computes."""
 import importlib.util
+import math
 import sys
 
 import numpy as np
@@ -242,7 +243,7 @@ def _eval_kernel(Out, Q, S, b, h, q_len, kv_len, {params}, BM: tl.constexpr, BN:
     kv_idx = offs_n[None, :]
     score = tl.load(S + offs_m[:, None] * BN + offs_n[None, :])
 {stmts}
-    val = {value} + tl.zeros([BM, BN], {zero_type})
+    val = tl.where(tl.full([BM, BN], 1, tl.int1), {value}, tl.zeros([BM, BN], {zero_type}))  # broadcast, keeping -0.0
     tl.store(Out + offs_m[:, None] * BN + offs_n[None, :], val)
 '''
 _EDGE_TORCH = {"int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "fp32": torch.float32, "bool": torch.bool}
@@ -318,6 +319,26 @@ def test_lowered_booleans_match_the_reference_at_edges(e, scalars, tmp_path, dev
     assume(run is not None)
     got, want, src = run
     assert torch.equal(got.cpu(), want.cpu().to(torch.int32)), f"{ex.format_expr(e)}\n{src}"
+
+
+def test_a_tiny_float_quotient_floors_to_a_signed_zero(tmp_path, device):
+    """-1.0 / 3e38 is below float32's normals, which the GPU's division flushes to -0.0: floor gives -0.0 there
+    and -1.0 from the exact quotient. The language takes the GPU's answer everywhere (kernel, reference, folding),
+    so the H100 run of the edge tests and the CPU agree."""
+    from attngen.spec import Binary, Const, Index, Var
+
+    assert math.copysign(1.0, ex._floordiv(-1.0, 3e38)) == -1.0 and ex._floordiv(-1.0, 3e38) == 0.0
+    assert ex._pymod(-1.0, 3e38) == -1.0 and ex._floordiv(-3.75, 2.0) == -2.0
+    folded = ex.fold(Binary("//", Const(-1.0, Type.FLOAT), Const(3e38, Type.FLOAT)), EDGE_SCOPE)
+    assert isinstance(folded, Const) and math.copysign(1.0, folded.value) == -1.0
+    got, want, _ = _run_edge(Binary("//", Var("score"), Index("f", (Var("kv_idx"),))), tmp_path, device,
+                             {"b": 0, "h": 0, "q_len": 1, "kv_len": 1})
+    _, score, inputs = _edge_tensors(device)
+    tiny = (score / inputs["f"]).abs() < 1.1754943508222875e-38
+    tiny &= (score / inputs["f"]) != 0
+    assert tiny.any()  # the edge values hold such quotients
+    got, want = got.cpu(), want.cpu().float()
+    assert torch.equal(torch.signbit(got[tiny.cpu()]), torch.signbit(want[tiny.cpu()])) and (got[tiny.cpu()] == 0).all()
 
 
 @_EDGE_SETTINGS
