@@ -8,20 +8,23 @@ from .spec import Spec
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-            classify: bool = True, bundle: str | os.PathLike | None = None, strict: bool = False):
+            classify: bool = True, bundle: str | os.PathLike | None = None, strict: bool = False, backend: str | None = None):
     """Parse, check, plan, render, cache and load a spec. `spec` is a path, spec text, or a Spec;
     `target` overrides the spec's target (a name from `attngen targets`, or "auto"). `classify=False`
     builds kernels that visit and mask every tile (a baseline to measure tile classification against).
     `bundle`: a directory from `attngen build -o DIR`; its prebuilt binaries of this spec for the live GPU are
     used (no compilation), else a BundleWarning says why and the spec is compiled just in time (with
-    strict=True: BundleError). See attngen.load."""
+    strict=True: BundleError). See attngen.load. `backend`: auto, triton or gluon, overriding the spec's
+    `backend` setting (the generator of the forward on sm_90: auto takes Gluon where it supports the spec)."""
     if bundle is not None:
         if not classify:
             raise InputError("classify=False builds a measurement baseline, which bundles do not hold; drop bundle= or classify=")
         from .bundle import load
         from .check import read_spec
 
+        if backend not in (None, "auto", "triton"):
+            raise InputError("bundles hold the Triton generator's kernels; drop bundle= or backend=")
         return load(bundle, spec=read_spec(spec), strict=strict, target=target)
     from . import runtime
 
-    return runtime.compile(spec, target, cache_dir=cache_dir, classify=classify)
+    return runtime.compile(spec, target, cache_dir=cache_dir, classify=classify, backend=backend)

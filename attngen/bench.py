@@ -187,9 +187,10 @@ def make_case(spec: Spec, seq: int, tokens: int = 16384, width: int = 2048, seed
     return q, k, v, do, inputs, extra
 
 
-def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: int, derived=None) -> tuple[dict, dict]:
+def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: int, derived=None, triton=None) -> tuple[dict, dict]:
     """The providers that compute `kernel`'s spec at one configuration, name -> fn(q, k, v): attngen (and
-    `derived`, the same spec with the plan's own tiles, when given), FlexAttention with the spec's mask_mod /
+    `derived`, the same spec with the plan's own tiles, and `triton`, the same spec through the Triton generator
+    when attngen's forward is Gluon's, when given), FlexAttention with the spec's mask_mod /
     score_mod and BlockMask (not with dropout or runtime block sparsity), torch SDPA's flash and cuDNN backends
     where they express the spec. Also {name: {"error": ...}} for a provider that could not be set up."""
     from torch.nn.attention import SDPBackend
@@ -199,6 +200,8 @@ def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: in
     fns = {"attngen": lambda q, k, v: kernel(q, k, v, **extra, **inputs)}
     if derived is not None:
         fns["derived"] = lambda q, k, v: derived(q, k, v, **extra, **inputs)
+    if triton is not None:
+        fns["triton"] = lambda q, k, v: triton(q, k, v, **extra, **inputs)
     failed = {}
     if not spec.dropout and spec.sparsity != "runtime":
         mask_mod, score_mod = flex_mods(spec, inputs, seq, seq)
@@ -218,9 +221,10 @@ def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: in
     return fns, failed
 
 
-def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0, derived=None) -> dict:
+def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0, derived=None, triton=None) -> dict:
     """One configuration: B = tokens // seq, H = width // head_dim, every provider that expresses the spec.
-    `derived`: the same spec with the plan's own tiles, timed beside a kernel whose tiles are tuned."""
+    `derived`: the same spec with the plan's own tiles, timed beside a kernel whose tiles are tuned; `triton`:
+    the spec through the Triton generator, timed beside a kernel whose forward is Gluon's."""
     spec = kernel.spec
     d = spec.head_dim
     q, k, v, do, inputs, extra = make_case(spec, seq, tokens, width, seed)
@@ -237,14 +241,15 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
     def error_of(out):
         return (out[:1, :2].float() - want).abs().max().item()
 
-    fns, failed = providers(kernel, seq, inputs, extra, batch, heads, derived)
-    row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dtype": spec.dtype.value, "kept": kept} | failed
+    fns, failed = providers(kernel, seq, inputs, extra, batch, heads, derived, triton)
+    row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dtype": spec.dtype.value, "kept": kept,
+           "generator": kernel.generator.generator} | failed
     for name, fn in fns.items():
         row[name] = measure(name, fn, q, k, v, do, error_of, fwd_flop)
     return row
 
 
-PROVIDERS = ("attngen", "derived", "flex", "sdpa_flash", "sdpa_cudnn")
+PROVIDERS = ("attngen", "triton", "derived", "flex", "sdpa_flash", "sdpa_cudnn")
 
 
 def format_table(rows: list[dict], ceiling: float | None = None) -> str:
@@ -252,6 +257,7 @@ def format_table(rows: list[dict], ceiling: float | None = None) -> str:
     the plan's derived tiles, when attngen's are tuned)."""
     providers = [p for p in PROVIDERS if any(p in row for row in rows)]
     derived = "derived" in providers
+    two = "triton" in providers  # attngen's forward through Gluon, beside the Triton generator
     def cell(r):
         return f"{r['fwd_tflops']:5.0f} /{r['bwd_tflops']:5.0f}" if "fwd_tflops" in r else ("failed" if "error" in r else "-")
 
@@ -261,12 +267,15 @@ def format_table(rows: list[dict], ceiling: float | None = None) -> str:
             return f"{a['fwd_tflops'] / b['fwd_tflops']:.2f}/{a['bwd_tflops'] / b['bwd_tflops']:.2f}"
         return "-"
 
-    head = f"{'config':<34}" + "".join(f"{p:>14}" for p in providers) + f"{'vs flex':>12}{'vs cudnn':>12}" + (f"{'vs derived':>12}" if derived else "")
-    lines = ["TFLOP/s forward / backward (kept pairs only)" + (f"; bf16 8192^3 matmul {ceiling:.0f}" if ceiling else ""), head]
+    head = (f"{'config':<34}" + "".join(f"{p:>14}" for p in providers) + f"{'vs flex':>12}{'vs cudnn':>12}" + (f"{'vs derived':>12}" if derived else "")
+            + (f"{'vs triton':>12}" if two else ""))
+    lines = ["TFLOP/s forward / backward (kept pairs only)" + (f"; bf16 8192^3 matmul {ceiling:.0f}" if ceiling else "")
+             + ("; attngen's forward is the Gluon generator's where a `triton` column is shown (backward: Triton's)" if two else ""), head]
     for row in rows:
         name = f"{row['spec']} d={row['d']} N={row['N']} {row['dtype']}"
         lines.append(f"{name:<34}" + "".join(f"{cell(row.get(p, {})):>14}" for p in providers)
-                     + f"{ratio(row, 'flex'):>12}{ratio(row, 'sdpa_cudnn'):>12}" + (f"{ratio(row, 'derived'):>12}" if derived else ""))
+                     + f"{ratio(row, 'flex'):>12}{ratio(row, 'sdpa_cudnn'):>12}" + (f"{ratio(row, 'derived'):>12}" if derived else "")
+                     + (f"{ratio(row, 'triton'):>12}" if two else ""))
     for row in rows:
         for name, entry in sorted(row.get("tuned", {}).items()):
             lines.append(f"  {row['spec']} N={row['N']} tuned {name.split()[0]}: {describe(entry['tiles'])} "
@@ -362,9 +371,11 @@ def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: 
     for spec in _gpu_specs(paths, dtype, head_dims):
         kernel = compile_spec(tuned(spec) if tune else spec)
         derived = compile_spec(replace(spec, tune=frozenset())) if tune else None
+        triton = compile_spec(spec, backend="triton") if kernel.gluon is not None else None
+        progress(f"[bench] {spec.name}: forward by the {kernel.generator.generator} generator ({kernel.generator.reason})")
         for seq in seqs:
             progress(f"[bench] {spec.name} N={seq} ...")
-            row = bench_spec(kernel, seq, derived=derived)
+            row = bench_spec(kernel, seq, derived=derived, triton=triton)
             if tune:
                 row["tuned"] = entries_at(kernel.tuner.entries, seq)
             rows.append(row)

@@ -34,12 +34,17 @@ def cmd_targets(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from .codegen.gluon import choose
     from .intervals import TileClass, classify_tiles, tile_counts, tile_map
     from .plan import plan
 
     for spec in _specs(args.spec):
         p = plan(spec, args.target)
+        choice = choose(spec, p)
         print(p.describe())
+        print(f"\ngenerator: {choice.generator} forward{', triton backward' if choice.generator == 'gluon' else ''} ({choice.reason})")
+        if choice.gluon is not None:
+            print(choice.gluon.describe())
         if args.seq:
             q_len, kv_len = args.seq, args.kv_seq or args.seq
             classes = classify_tiles(p.mask, q_len, kv_len, p.block_m, p.block_n)

@@ -14,6 +14,9 @@ import torch
 
 from .blocks import block_lists
 from .check import read_spec
+from .codegen.gluon import Choice
+from .codegen.gluon import build_source as build_gluon_source
+from .codegen.gluon import choose as choose_generator
 from .codegen.triton import build_source
 from .errors import InputError, PlanError
 from .expr import SCORE_VARS, Scope, input_reads
@@ -22,7 +25,7 @@ from .naive import evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
 from .ranges import MAX_EXTENT
-from .spec import DType, Index, Spec, Var
+from .spec import Backend, DType, Index, Spec, Var
 from .tune import Tuner
 from .tune import bucket as tune_bucket
 
@@ -69,6 +72,11 @@ class Kernel:
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
         self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _run_on_cpu
+        # The generator of the forward (attngen/codegen/gluon/plan.py): with Gluon, `gluon` is its module, which
+        # runs on CUDA tensors (sm_90); the Triton module runs the backward, and the forward on the CPU.
+        self.generator = Choice("triton", "built without a choice of generator")
+        self.gluon: ModuleType | None = None
+        self.gluon_source: str | None = None
 
     def __repr__(self) -> str:
         return f"<attngen.Kernel {self.spec.name} target={self.plan.target.name} file={self.path}>"
@@ -166,6 +174,12 @@ class Kernel:
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
 
+
+    def _triton_forward(self, dims: _Dims, extra: dict, q, k, v, inputs):
+        """The Triton generator's forward: O and the lse in log2 units, with the tuned tiles where the spec says auto."""
+        flags = ("dropout",) if extra.get("dropout_p") else ()
+        tiles = self._tiles("fwd", dims, flags, q.device, lambda t: self.module.attention_forward(q, k, v, *inputs, **extra, tiles=t))
+        return self.module.attention_forward(q, k, v, *inputs, **extra, **tiles)
 
     def _run_on_cpu(self, q, k, v, return_lse, dropout_p, seed, block_mask, inputs):
         """A bf16 call on CPU tensors. Triton's interpreter stores bf16 as raw 16-bit integers and has no bf16
@@ -282,9 +296,10 @@ class _AttentionFunction(torch.autograd.Function):
             o = q.new_zeros(q.shape)
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         else:
-            flags = ("dropout",) if extra.get("dropout_p") else ()
-            tiles = kernel._tiles("fwd", dims, flags, q.device, lambda t: kernel.module.attention_forward(q, k, v, *inputs, **extra, tiles=t))
-            o, lse = kernel.module.attention_forward(q, k, v, *inputs, **extra, **tiles)
+            if kernel.gluon is not None and q.device.type == "cuda":  # the Gluon generator's forward (sm_90)
+                o, lse = kernel.gluon.attention_forward(q, k, v)
+            else:
+                o, lse = kernel._triton_forward(dims, extra, q, k, v, inputs)
         ctx.kernel = kernel
         ctx.extra = extra
         ctx.dims = dims
@@ -376,13 +391,30 @@ def _sum_by_element(flat: torch.Tensor, values: torch.Tensor, n: int) -> torch.T
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-            classify: bool = True) -> Kernel:
+            classify: bool = True, backend: str | None = None) -> Kernel:
     """Parse, check, plan, render, cache and load a spec just in time (attngen.compile, with bundle=, can take
     prebuilt binaries instead). `spec` is a path, spec text, or a Spec; `target` overrides the spec's target (a
     name from `attngen targets`, or "auto"). `classify=False` builds kernels that visit and mask every tile (a
-    baseline to measure tile classification against)."""
+    baseline to measure tile classification against). `backend` overrides the spec's: auto, triton or gluon
+    (the generator of the forward on sm_90; attngen/codegen/gluon/plan.py)."""
     spec_obj = read_spec(spec)
     kernel_plan = make_plan(spec_obj, target, classify=classify)
+    choice = choose_generator(spec_obj, kernel_plan, _backend(backend))
     key, source = build_source(kernel_plan)
-    module = load_module(spec_obj.name, key, source, Path(cache_dir) if cache_dir else None)
-    return Kernel(spec_obj, kernel_plan, source, Path(module.__file__), module)
+    cache_path = Path(cache_dir) if cache_dir else None
+    module = load_module(spec_obj.name, key, source, cache_path)
+    kern = Kernel(spec_obj, kernel_plan, source, Path(module.__file__), module)
+    kern.generator = choice
+    if choice.gluon is not None:
+        key, kern.gluon_source = build_gluon_source(choice.gluon)
+        kern.gluon = load_module(f"{spec_obj.name}_gluon", key, kern.gluon_source, cache_path)
+    return kern
+
+
+def _backend(backend: str | Backend | None) -> Backend | None:
+    if backend is None or isinstance(backend, Backend):
+        return backend
+    try:
+        return Backend(backend)
+    except ValueError:
+        raise InputError(f"backend must be one of {', '.join(b.value for b in Backend)}; got {backend!r}") from None

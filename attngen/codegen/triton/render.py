@@ -13,6 +13,7 @@ from ...intervals import lower_tile_class
 from ...plan import KernelPlan
 from ...spec import DType, LoopOrder
 from .. import Templates, versions
+from ..lowering import lower_for_kernel
 
 LOG2E = 1.4426950408889634
 TEMPLATES = Templates("triton", "module.py.jinja")
@@ -24,57 +25,14 @@ class _Input:
     ndim: int
 
 
-@dataclass(frozen=True)
-class _KernelCode:
-    """The spec's expressions lowered for one kernel."""
-
-    outer: list[str]
-    inner: list[str]
-    mask: str
-    score: str
-    dscore: str
-    read_grads: list["_ReadGradCode"]
-
-    @property
-    def has_uniform_grads(self) -> bool:
-        return any(g.kind == "uniform" for g in self.read_grads)
-
-
-@dataclass(frozen=True)
-class _ReadGradCode:
-    """One input read the dQ kernel differentiates: its kind (plan.ReadGrad) and d score / d read as code."""
-
-    read: str  # the read in the spec language, for comments
-    kind: str
-    derivative: str
-
-
-def _lower_for_kernel(plan: KernelPlan, inner_vars: frozenset[str], want_dscore: bool, helpers: set[str],
-                      want_read_grads: bool = False) -> _KernelCode:
-    spec = plan.spec
-    scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
-    names = {v: v for v in ex.SCORE_VARS}
-    lowerer = ex.Lowerer(scope, names, inner_vars)
-    grads = list(plan.read_grads) if want_read_grads else []
-    exprs = [e for e in (plan.mask, plan.score, plan.dscore if want_dscore else None) if e is not None]
-    lowered = lowerer.lower_all(exprs + [g.derivative for g in grads])
-    helpers |= lowerer.helpers
-    codes = iter(lowered.exprs)
-    mask = next(codes) if plan.mask is not None else ""
-    score = next(codes) if plan.score is not None else ""
-    dscore = next(codes) if plan.score is not None and want_dscore else ""
-    read_grads = [_ReadGradCode(ex.format_expr(g.read), g.kind, next(codes)) for g in grads]
-    return _KernelCode(lowered.outer, lowered.inner, mask, score, dscore, read_grads)
-
-
 def context(plan: KernelPlan) -> dict:
     """Everything the templates see."""
     spec = plan.spec
     helpers: set[str] = set()
     q_outer = plan.loop_order is LoopOrder.Q_OUTER
-    fwd = _lower_for_kernel(plan, frozenset({"kv_idx", "score"} if q_outer else {"q_idx", "score"}), False, helpers)
-    dkdv = _lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers)
-    dq = _lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers, want_read_grads=True)
+    fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"} if q_outer else {"q_idx", "score"}), False, helpers)
+    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers)
+    dq = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers, want_read_grads=True)
     tile_class = None
     if plan.mask is not None and plan.classify:
         scope = ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name)

@@ -1,0 +1,121 @@
+"""The Gluon generator's plan: which specs it renders (and, for the others, why not), and the sizes of its
+FlashAttention-3 schedule, derived from the target like the Triton generator's tiles (attngen/plan.py).
+
+The forward is warp-specialized: a load partition (one warp; Gluon pads it to a warpgroup) streams K and V
+tiles by TMA into a ring of shared-memory stages, and consumer warpgroups, each with its own BLOCK_M query
+rows, run Q.K^T and P.V on the tensor cores with the softmax in between. The backward stays the Triton
+generator's (same lse, same gradients).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...plan import KernelPlan, Step
+from ...spec import Backend, DType, LoopOrder, Spec
+
+ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
+HEAD_DIMS = (64, 128)  # the head dims its kernels are written for (wgmma's K step is 16; 256 needs a smaller ring)
+# Query rows per consumer warpgroup: one m64 wgmma row block. With 128 the score tile alone takes 128 registers
+# per thread and ptxas spilled 1.5-4 KB and serialized the wgmmas at d=128 (compiled for sm_90, BENCHMARKS.md).
+M_PER_WARPGROUP = 64
+REGISTERS_PER_SM = 65536
+LOAD_REGS = 24  # registers per thread the load warpgroup keeps (setmaxnreg.dec): it only issues TMA copies
+MAX_STAGES = 4
+SMEM_RESERVE = 1024  # mbarriers and Gluon's scratch
+
+
+@dataclass(frozen=True)
+class GluonPlan:
+    base: KernelPlan  # the Triton plan: the shared facts (mask, score, scale, tile classes) and the backward
+    consumers: int  # consumer warpgroups, each with its own M_PER_WARPGROUP query rows
+    block_n: int  # keys per K/V tile
+    stages: int  # depth of the K/V ring in shared memory
+    load_regs: int
+    consumer_regs: int
+    steps: tuple[Step, ...]
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per program."""
+        return self.consumers * M_PER_WARPGROUP
+
+    @property
+    def num_warps(self) -> int:
+        """Warps of the default partition (the consumers)."""
+        return 4 * self.consumers
+
+    def describe(self) -> str:
+        width = max(len(s.what) for s in self.steps)
+        lines = ["gluon forward (FlashAttention-3 schedule, sm_90):"]
+        lines += [f"  {s.what:<{width}}  {s.formula}  =>  {s.value}" for s in self.steps]
+        lines.append(f"  partitions: load 1 warp ({self.load_regs} registers/thread), {self.consumers} consumer warpgroup(s) "
+                     f"({self.consumer_regs} registers/thread); BLOCK_M={self.block_m} BLOCK_N={self.block_n} ring of {self.stages} K/V stages")
+        return "\n".join(lines)
+
+
+def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
+    """Why the Gluon generator cannot render this spec for this target (empty: it can)."""
+    why = []
+    if base.target.arch != ARCH:
+        why.append(f"the target is sm_{base.target.arch}; the Gluon generator writes Hopper (sm_{ARCH}) kernels")
+    if spec.dtype is DType.FP32:
+        why.append("dtype fp32: its matrix products are bf16/fp16 wgmma")
+    if spec.head_dim not in HEAD_DIMS:
+        why.append(f"head_dim {spec.head_dim}: its kernels take {' or '.join(map(str, HEAD_DIMS))}")
+    if spec.dropout:
+        why.append("dropout: the Philox pattern is not ported to Gluon yet")
+    if spec.sparsity == "runtime":
+        why.append("runtime block sparsity: the block lists are not ported to Gluon yet")
+    if spec.inputs:
+        why.append("declared inputs: input reads are not ported to Gluon yet")
+    if spec.loop_order is LoopOrder.KV_OUTER:
+        why.append("loop_order = kv_outer is a schedule of the Triton generator")
+    fixed = [k for k in ("block_m", "block_n", "num_warps", "num_stages") if getattr(spec, k) is not None or k in spec.tune]
+    if fixed:
+        why.append(f"{', '.join(fixed)} set: those are the Triton generator's tiles")
+    return why
+
+
+def plan_gluon(base: KernelPlan) -> GluonPlan:
+    """The schedule's sizes for a spec the generator supports (see `unsupported`)."""
+    spec, tgt = base.spec, base.target
+    d, isz = spec.head_dim, spec.dtype.itemsize
+    steps = []
+    consumers = 2
+    steps.append(Step("consumer warpgroups", f"2 x {M_PER_WARPGROUP} query rows (one softmax under the other's products)", f"{consumers}"))
+    block_n = 128
+    steps.append(Step("BLOCK_N", "keys per tile: the wgmma's N (S: 64 x 128 float32 = 64 registers per thread)", f"{block_n}"))
+    q_bytes = consumers * M_PER_WARPGROUP * d * isz
+    stage_bytes = 2 * block_n * d * isz
+    smem = tgt.smem_per_block - SMEM_RESERVE
+    stages = min(MAX_STAGES, (smem - q_bytes) // stage_bytes)
+    steps.append(Step("ring stages", f"min({MAX_STAGES}, (smem {smem} - Q tiles {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages}"))
+    threads = 32 * 4 * (consumers + 1)
+    cap = REGISTERS_PER_SM // threads // 8 * 8
+    consumer_regs = min(240, (REGISTERS_PER_SM // 128 - LOAD_REGS) // consumers // 8 * 8)
+    steps.append(Step("registers", f"{REGISTERS_PER_SM} / {threads} threads = {cap} at entry; load keeps {LOAD_REGS}, consumers get "
+                                   f"min(240, ({REGISTERS_PER_SM // 128} - {LOAD_REGS}) / {consumers})", f"{consumer_regs}"))
+    return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps))
+
+
+@dataclass(frozen=True)
+class Choice:
+    generator: str  # "gluon" or "triton"
+    reason: str  # why (printed by `attngen plan`)
+    gluon: GluonPlan | None = None
+
+
+def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choice:
+    """Which generator renders the forward: `backend` (the compile argument) or the spec's setting. auto takes
+    Gluon where it supports the spec; gluon asked for where it cannot is a PlanError with the reasons."""
+    from ...errors import PlanError
+
+    backend = backend or spec.backend
+    if backend is Backend.TRITON:
+        return Choice("triton", "backend = triton")
+    why = unsupported(spec, base)
+    if why:
+        if backend is Backend.GLUON:
+            raise PlanError(f"{spec.name}: backend = gluon, but the Gluon generator cannot render it: {'; '.join(why)}")
+        return Choice("triton", "the Gluon generator does not take it: " + "; ".join(why))
+    return Choice("gluon", f"backend = {backend.value}: sm_{ARCH} and every feature of the spec is supported", plan_gluon(base))

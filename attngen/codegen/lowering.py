@@ -1,0 +1,51 @@
+"""The spec's expressions lowered for one kernel of any generator: the same code fragments (attngen/expr.py)
+for the Triton templates and, translated name by name, for the Gluon ones."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import expr as ex
+from ..plan import KernelPlan
+
+
+@dataclass(frozen=True)
+class KernelCode:
+    """The spec's expressions lowered for one kernel."""
+
+    outer: list[str]
+    inner: list[str]
+    mask: str
+    score: str
+    dscore: str
+    read_grads: list["ReadGradCode"]
+
+    @property
+    def has_uniform_grads(self) -> bool:
+        return any(g.kind == "uniform" for g in self.read_grads)
+
+
+@dataclass(frozen=True)
+class ReadGradCode:
+    """One input read the dQ kernel differentiates: its kind (plan.ReadGrad) and d score / d read as code."""
+
+    read: str  # the read in the spec language, for comments
+    kind: str
+    derivative: str
+
+
+def lower_for_kernel(plan: KernelPlan, inner_vars: frozenset[str], want_dscore: bool, helpers: set[str],
+                      want_read_grads: bool = False) -> KernelCode:
+    spec = plan.spec
+    scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
+    names = {v: v for v in ex.SCORE_VARS}
+    lowerer = ex.Lowerer(scope, names, inner_vars)
+    grads = list(plan.read_grads) if want_read_grads else []
+    exprs = [e for e in (plan.mask, plan.score, plan.dscore if want_dscore else None) if e is not None]
+    lowered = lowerer.lower_all(exprs + [g.derivative for g in grads])
+    helpers |= lowerer.helpers
+    codes = iter(lowered.exprs)
+    mask = next(codes) if plan.mask is not None else ""
+    score = next(codes) if plan.score is not None else ""
+    dscore = next(codes) if plan.score is not None and want_dscore else ""
+    read_grads = [ReadGradCode(ex.format_expr(g.read), g.kind, next(codes)) for g in grads]
+    return KernelCode(lowered.outer, lowered.inner, mask, score, dscore, read_grads)
