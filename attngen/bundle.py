@@ -590,6 +590,7 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
     module doc for the checks) a BundleWarning says why and the spec is compiled just in time, or, with
     strict=True, BundleError is raised. `kernel.bundle` tells what happened."""
     from . import loader, runtime
+    from .codegen.gluon import Choice
     from .canonical import spec_hash as hash_of
     from .check import load_spec
     from .plan import plan as make_plan
@@ -643,6 +644,7 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
     kern = runtime.Kernel(spec_obj, kernel_plan, source, module_path, module)
     kern.tuner = None  # `auto` tiles are not tuned from a bundle: it holds the derived tiles' binaries, others would compile
     kern.bundle = BundleInfo(directory, entry["name"], entry["target"], True, None, stats)
+    kern.generator = Choice("triton", "loaded from an ahead-of-time bundle, which holds the Triton generator's kernels")
     return kern
 
 

@@ -131,11 +131,13 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--check-only", action="store_true")
     args = ap.parse_args()
     results = {"versions": versions(), "device": torch.cuda.get_device_name(), "check": [], "timing": []}
     if not args.skip_check:
         check(results, args.quick)
-    time_forward(results, args.quick)
+    if not args.check_only:
+        time_forward(results, args.quick)
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

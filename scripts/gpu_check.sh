@@ -20,6 +20,7 @@ case "${1:-check}" in
   cli-bench) python3 -m attngen bench "${@:2}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" ;;
   sparse) python3 benchmarks/sparse_dropout.py --json "$OUT/sparse_dropout.json" 2>&1 | tee "$OUT/sparse_dropout.txt" ;;
   tune) python3 -m attngen tune "${@:2}" --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt" ;;
+  gluon) python3 benchmarks/gluon.py "${@:2}" --json "$OUT/gluon.json" 2>&1 | tee "$OUT/gluon.txt" ;;
   sweep) python3 benchmarks/sweep.py "${@:2}" --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1; grep SUMMARY "$OUT/sweep.txt" ;;
-  *) echo "usage: $0 [check|tests [pytest args]|bench|masks [--seq N...]|sparse|cli-bench SPEC... [--seq N...]|tune SPEC... [--seq N...]|sweep [--specs ...]]"; exit 2 ;;
+  *) echo "usage: $0 [check|tests [pytest args]|bench|masks [--seq N...]|sparse|cli-bench SPEC... [--seq N...]|tune SPEC... [--seq N...]|sweep [--specs ...]|gluon [--quick]]"; exit 2 ;;
 esac

@@ -15,6 +15,10 @@ from ...spec import Backend, DType, LoopOrder, Spec
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
 HEAD_DIMS = (64, 128)  # the head dims its kernels are written for (wgmma's K step is 16; 256 needs a smaller ring)
+# What `auto` takes: on the H100 (BENCHMARKS.md, session of 2026-11-24) the Gluon forward was 1.20-1.38x the Triton
+# generator's at d=128 (dense, causal, sliding window, N = 1024-16384), but 0.86-1.11x at d=64 and 0.87-1.06x with
+# softcap's score modification (its tanh is the bottleneck): those stay with Triton unless backend = gluon.
+AUTO_HEAD_DIMS = (128,)
 # Query rows per consumer warpgroup: one m64 wgmma row block. With 128 the score tile alone takes 128 registers
 # per thread and ptxas spilled 1.5-4 KB and serialized the wgmmas at d=128 (compiled for sm_90, BENCHMARKS.md).
 M_PER_WARPGROUP = 64
@@ -118,4 +122,17 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
         if backend is Backend.GLUON:
             raise PlanError(f"{spec.name}: backend = gluon, but the Gluon generator cannot render it: {'; '.join(why)}")
         return Choice("triton", "the Gluon generator does not take it: " + "; ".join(why))
-    return Choice("gluon", f"backend = {backend.value}: sm_{ARCH} and every feature of the spec is supported", plan_gluon(base))
+    if backend is Backend.AUTO:
+        slower = slower_than_triton(spec)
+        if slower:
+            return Choice("triton", f"auto: the Gluon forward measured slower here ({slower}); backend = gluon takes it anyway")
+    return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", plan_gluon(base))
+
+
+def slower_than_triton(spec: Spec) -> str | None:
+    """Why `auto` keeps a supported spec on the Triton generator (measured on the H100), or None."""
+    if spec.head_dim not in AUTO_HEAD_DIMS:
+        return f"head_dim {spec.head_dim}: 0.86-1.11x the Triton forward on the H100"
+    if spec.score is not None:
+        return "a score modification: 0.87-1.06x the Triton forward on the H100 (softcap)"
+    return None
