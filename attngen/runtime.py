@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import weakref
 from dataclasses import dataclass
@@ -174,7 +175,6 @@ class Kernel:
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
 
-
     def _triton_forward(self, dims: _Dims, extra: dict, q, k, v, inputs):
         """The Triton generator's forward: O and the lse in log2 units, with the tuned tiles where the spec says auto."""
         flags = ("dropout",) if extra.get("dropout_p") else ()
@@ -296,7 +296,7 @@ class _AttentionFunction(torch.autograd.Function):
             o = q.new_zeros(q.shape)
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         else:
-            if kernel.gluon is not None and q.device.type == "cuda":  # the Gluon generator's forward (sm_90)
+            if kernel.gluon is not None and _is_sm90(q.device):  # the Gluon generator's forward
                 o, lse = kernel.gluon.attention_forward(q, k, v)
             else:
                 o, lse = kernel._triton_forward(dims, extra, q, k, v, inputs)
@@ -409,6 +409,13 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
         key, kern.gluon_source = build_gluon_source(choice.gluon)
         kern.gluon = load_module(f"{spec_obj.name}_gluon", key, kern.gluon_source, cache_path)
     return kern
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device: torch.device) -> bool:
+    """Gluon's kernels are Hopper's: a kernel planned for the H100 but called on another GPU (or the CPU) runs
+    the Triton generator's forward, which Triton compiles for the device at hand."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def _backend(backend: str | Backend | None) -> Backend | None:
