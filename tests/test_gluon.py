@@ -92,10 +92,17 @@ def test_names_are_translated_from_a_closed_table():
     for code in ("tl.load(p + i)", "tl.sigmoid(x)", "tl.math.tanh(x)", "triton.language.exp(x)"):
         with pytest.raises(Untranslatable):
             translate(code)
-    # a spec whose score needs a function Gluon lacks is not rendered: sigmoid is refused by the translation
+    # a spec whose score needs a function Gluon lacks is not rendered: sigmoid is refused by the translation, so
+    # the spec stays with the Triton generator (auto) or is a PlanError (backend = gluon)
     spec = load_spec("attention t { head_dim = 128 score = score * sigmoid(score) }")
     with pytest.raises(Untranslatable, match="tl.sigmoid"):
         render(plan_gluon(plan(spec, "h100")))
+    with pytest.raises(PlanError, match="backend = gluon, but the Gluon generator cannot render it: tl.sigmoid has no Gluon counterpart"):
+        choose(spec, plan(spec, "h100"), Backend.GLUON)
+    masked = load_spec("attention t { head_dim = 128 mask = sigmoid(q_idx - kv_idx + 0.0) > 0.3 }")
+    c = choose(masked, plan(masked, "h100"))
+    assert c.generator == "triton" and "tl.sigmoid has no Gluon counterpart" in c.reason
+    assert attngen.compile(masked, "h100").gluon is None
 
 
 def test_plan_command_says_which_generator_and_why(capsys):

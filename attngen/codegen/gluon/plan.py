@@ -126,7 +126,17 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
         slower = slower_than_triton(spec)
         if slower:
             return Choice("triton", f"auto: the Gluon forward measured slower here ({slower}); backend = gluon takes it anyway")
-    return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", plan_gluon(base))
+    gp = plan_gluon(base)
+    from .lower import Untranslatable
+    from .render import context
+
+    try:
+        context(gp)  # every piece of expression code has a Gluon counterpart (lower.NAMES)
+    except Untranslatable as err:
+        if backend is Backend.GLUON:
+            raise PlanError(f"{spec.name}: backend = gluon, but the Gluon generator cannot render it: {err}") from None
+        return Choice("triton", f"the Gluon generator does not take it: {err}")
+    return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp)
 
 
 def slower_than_triton(spec: Spec) -> str | None:
