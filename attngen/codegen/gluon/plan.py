@@ -15,9 +15,10 @@ from ...spec import Backend, DType, LoopOrder, Spec
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
 HEAD_DIMS = (64, 128)  # the head dims its kernels are written for (wgmma's K step is 16; 256 needs a smaller ring)
-# What `auto` takes: on the H100 (BENCHMARKS.md, session of 2026-11-24) the Gluon forward was 1.20-1.38x the Triton
-# generator's at d=128 (dense, causal, sliding window, N = 1024-16384), but 0.86-1.11x at d=64 and 0.87-1.06x with
-# softcap's score modification (its tanh is the bottleneck): those stay with Triton unless backend = gluon.
+# What `auto` takes: on the H100 (BENCHMARKS.md, 2026-11-24) the Gluon forward was 1.25-1.46x the Triton generator's
+# at d=128 (dense, causal; sliding window 1.17-1.24x with the version before), but at d=64 0.90-0.93x at N=1024 (1.09-1.16x
+# from 4096) and 0.87-1.06x with softcap's score modification (its tanh is the bottleneck): those stay with Triton
+# unless backend = gluon.
 AUTO_HEAD_DIMS = (128,)
 # Query rows per consumer warpgroup: one m64 wgmma row block. With 128 the score tile alone takes 128 registers
 # per thread and ptxas spilled 1.5-4 KB and serialized the wgmmas at d=128 (compiled for sm_90, BENCHMARKS.md).
@@ -142,7 +143,7 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
 def slower_than_triton(spec: Spec) -> str | None:
     """Why `auto` keeps a supported spec on the Triton generator (measured on the H100), or None."""
     if spec.head_dim not in AUTO_HEAD_DIMS:
-        return f"head_dim {spec.head_dim}: 0.86-1.11x the Triton forward on the H100"
+        return f"head_dim {spec.head_dim}: 0.90-0.93x the Triton forward at N=1024 on the H100 (1.09-1.16x from 4096)"
     if spec.score is not None:
         return "a score modification: 0.87-1.06x the Triton forward on the H100 (softcap)"
     return None
