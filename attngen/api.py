@@ -8,14 +8,17 @@ from .spec import Spec
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-            classify: bool = True, bundle: str | os.PathLike | None = None, strict: bool = False, backend: str | None = None):
+            classify: bool = True, bundle: str | os.PathLike | None = None, strict: bool = False, backend: str | None = None,
+            deterministic: bool | None = None):
     """Parse, check, plan, render, cache and load a spec. `spec` is a path, spec text, or a Spec;
     `target` overrides the spec's target (a name from `attngen targets`, or "auto"). `classify=False`
     builds kernels that visit and mask every tile (a baseline to measure tile classification against).
     `bundle`: a directory from `attngen build -o DIR`; its prebuilt binaries of this spec for the live GPU are
     used (no compilation), else a BundleWarning says why and the spec is compiled just in time (with
     strict=True: BundleError). See attngen.load. `backend`: auto, triton or gluon, overriding the spec's
-    `backend` setting (the generator of the forward on sm_90: auto takes Gluon where it supports the spec)."""
+    `backend` setting (the generator of the forward on sm_90: auto takes Gluon where it supports the spec).
+    `deterministic`: overrides the spec's setting (False: the backward may add dQ in no fixed order, faster where
+    measured so; its last bits may then differ between runs)."""
     if bundle is not None:
         if not classify:
             raise InputError("classify=False builds a measurement baseline, which bundles do not hold; drop bundle= or classify=")
@@ -24,7 +27,9 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
 
         if backend not in (None, "auto", "triton"):
             raise InputError("bundles hold the Triton generator's kernels; drop bundle= or backend=")
+        if deterministic is False:
+            raise InputError("bundles hold the Triton generator's kernels, whose gradients are deterministic; drop bundle= or deterministic=False")
         return load(bundle, spec=read_spec(spec), strict=strict, target=target)
     from . import runtime
 
-    return runtime.compile(spec, target, cache_dir=cache_dir, classify=classify, backend=backend)
+    return runtime.compile(spec, target, cache_dir=cache_dir, classify=classify, backend=backend, deterministic=deterministic)

@@ -24,6 +24,8 @@ def format_spec(spec: Spec) -> str:
     lines.append(f"    target = {spec.target}")
     if spec.backend.value != "auto":  # printed only when chosen, so the hashes of existing specs stay what they were
         lines.append(f"    backend = {spec.backend.value}")
+    if not spec.deterministic:  # likewise printed only when chosen
+        lines.append("    deterministic = false")
     for key in ("block_m", "block_n", "num_warps", "num_stages"):
         val = "auto" if key in spec.tune else getattr(spec, key)
         if val is not None:

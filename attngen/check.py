@@ -26,6 +26,7 @@ SETTINGS = (
     "loop_order",
     "target",
     "backend",
+    "deterministic",
     "block_m",
     "block_n",
     "num_warps",
@@ -213,6 +214,11 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
         values["target"] = _choice(seen["target"], ("auto",) + tuple(TARGETS))
     if "backend" in seen:
         values["backend"] = Backend(_choice(seen["backend"], tuple(b.value for b in Backend)))
+    if "deterministic" in seen:
+        s = seen["deterministic"]
+        if not (isinstance(s.value, Const) and s.value.type is Type.BOOL):
+            raise SpecError("deterministic must be true or false", s.value.span)
+        values["deterministic"] = bool(s.value.value)
     tune = set()
     for key, lo, hi, pow2 in (("block_m", 16, 256, True), ("block_n", 16, 256, True), ("num_warps", 1, 16, True), ("num_stages", 1, 8, False)):
         if key in seen:

@@ -42,7 +42,7 @@ def cmd_plan(args) -> int:
         p = plan(spec, args.target)
         choice = choose(spec, p)
         print(p.describe())
-        print(f"\ngenerator: {choice.generator} forward{', triton backward' if choice.generator == 'gluon' else ''} ({choice.reason})")
+        print(f"\ngenerator: {choice.describe()}")
         if choice.gluon is not None:
             print(choice.gluon.describe())
         if args.seq:

@@ -297,7 +297,7 @@ class _AttentionFunction(torch.autograd.Function):
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         else:
             if kernel.gluon is not None and _is_sm90(q.device):  # the Gluon generator's forward
-                o, lse = kernel.gluon.attention_forward(q, k, v)
+                o, lse = kernel.gluon.attention_forward(q, k, v, *inputs)
             else:
                 o, lse = kernel._triton_forward(dims, extra, q, k, v, inputs)
         ctx.kernel = kernel
@@ -319,6 +319,10 @@ class _AttentionFunction(torch.autograd.Function):
         extra = dict(ctx.extra)
         if any(wanted) and reads:
             extra["input_grads"] = True
+        if ctx.kernel.generator.backward == "gluon" and not any(wanted) and _is_sm90(q.device):
+            # the Gluon generator's backward (the spec says deterministic = false); input gradients are the Triton kernels'
+            dq, dk, dv = ctx.kernel.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
+            return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
         flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
         backward = ctx.kernel.module.attention_backward
         extra |= ctx.kernel._tiles("bwd", dims, flags, q.device, lambda t: backward(q, k, v, o, lse, do, dlse, *inputs, **extra, tiles=t))
@@ -391,13 +395,18 @@ def _sum_by_element(flat: torch.Tensor, values: torch.Tensor, n: int) -> torch.T
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-            classify: bool = True, backend: str | None = None) -> Kernel:
+            classify: bool = True, backend: str | None = None, deterministic: bool | None = None) -> Kernel:
     """Parse, check, plan, render, cache and load a spec just in time (attngen.compile, with bundle=, can take
     prebuilt binaries instead). `spec` is a path, spec text, or a Spec; `target` overrides the spec's target (a
     name from `attngen targets`, or "auto"). `classify=False` builds kernels that visit and mask every tile (a
     baseline to measure tile classification against). `backend` overrides the spec's: auto, triton or gluon
-    (the generator of the forward on sm_90; attngen/codegen/gluon/plan.py)."""
+    (the generator of the forward on sm_90; attngen/codegen/gluon/plan.py). `deterministic` overrides the spec's
+    setting (False lets the backward add dQ in no fixed order where that is faster)."""
     spec_obj = read_spec(spec)
+    if deterministic is not None:
+        if not isinstance(deterministic, bool):
+            raise InputError(f"deterministic must be True or False; got {deterministic!r}")
+        spec_obj = dataclasses.replace(spec_obj, deterministic=deterministic)
     kernel_plan = make_plan(spec_obj, target, classify=classify)
     choice = choose_generator(spec_obj, kernel_plan, _backend(backend))
     key, source = build_source(kernel_plan)

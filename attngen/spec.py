@@ -146,6 +146,9 @@ class Spec:
     loop_order: LoopOrder = LoopOrder.Q_OUTER
     target: str = "auto"
     backend: Backend = Backend.AUTO
+    # false: the backward may sum dQ across key tiles in an unfixed order (atomic additions; faster where
+    # measured so), so its last bits may differ between runs. true: every gradient is bit-reproducible.
+    deterministic: bool = True
     # Tiles and launch options of the forward kernel: an int fixes the value; None derives it from the target
     # (attngen/plan.py). A key in `tune` was written `auto`: measured per shape on the GPU (attngen/tune.py).
     block_m: int | None = None

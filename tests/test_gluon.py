@@ -1,8 +1,9 @@
-"""The Gluon generator (sm_90): which specs it takes and why not, its plan, its name translation, that every
-spec it takes renders to readable source and compiles to an sm_90 binary on this CPU machine, and, on a GPU
-(--device cuda), that its forward matches the float64 reference through attngen.verify with `attngen check`'s
-error budget. Gluon does not run in Triton's interpreter: on the CPU a kernel with a Gluon forward runs the
-Triton generator's forward, which the rest of the suite checks."""
+"""The Gluon generator (sm_90): which specs it takes and why not, its plan (forward and backward), which
+generator renders each pass, its name translation, that every spec it takes renders to readable source and
+compiles to sm_90 binaries on this CPU machine, and, on a GPU (--device cuda), that its forward and backward
+match the float64 reference through attngen.verify with `attngen check`'s error budget. Gluon does not run in
+Triton's interpreter: on the CPU a kernel with a Gluon forward runs the Triton generator's kernels, which the
+rest of the suite checks."""
 import dataclasses
 import json
 import os
@@ -28,9 +29,8 @@ ROOT = Path(__file__).parent.parent
 SPECS = {p.stem: p for p in sorted((ROOT / "specs").glob("*.attn"))}
 # What the generator takes of the shipped specs, and why not the others (each reason, as plan.py words it)
 NOT_TAKEN = {
-    "alibi": "declared inputs", "block_sparse_runtime": "runtime block sparsity", "causal_dropout": "dropout",
-    "causal_fa1": "loop_order = kv_outer", "dilated": "head_dim 32", "document": "declared inputs", "key_padding": "declared inputs",
-    "odd_head_dim": "dtype fp32", "prefix_lm": "declared inputs", "relative_bias": "declared inputs",
+    "block_sparse_runtime": "runtime block sparsity", "causal_dropout": "dropout", "causal_fa1": "loop_order = kv_outer",
+    "dilated": "head_dim 32", "document": "per-chunk bounds (the pre-pass)", "odd_head_dim": "dtype fp32",
 }
 TAKEN = sorted(set(SPECS) - set(NOT_TAKEN))
 
@@ -40,15 +40,16 @@ def _spec(name, **changes):
 
 
 def test_what_the_generator_takes_and_why_not():
-    assert TAKEN == ["butterfly_blocks", "causal", "causal_bottom_right", "causal_softcap", "dense", "local_global_blocks",
-                     "local_window", "sliding_window", "strided_blocks"]
+    assert TAKEN == ["alibi", "butterfly_blocks", "causal", "causal_bottom_right", "causal_softcap", "dense", "key_padding",
+                     "local_global_blocks", "local_window", "prefix_lm", "relative_bias", "sliding_window", "strided_blocks"]
     for name in SPECS:
         spec = _spec(name)
-        why = unsupported(spec, plan(spec, "h100"))
         if name in NOT_TAKEN:
-            assert any(NOT_TAKEN[name] in w for w in why), (name, why)
+            with pytest.raises(PlanError, match=re.escape(NOT_TAKEN[name])):
+                choose(spec, plan(spec, "h100"), Backend.GLUON)
         else:
-            assert why == [], (name, why)
+            assert unsupported(spec, plan(spec, "h100")) == [], name
+            assert choose(spec, plan(spec, "h100"), Backend.GLUON).generator == "gluon"
 
 
 def test_auto_takes_gluon_where_it_was_measured_faster():
@@ -86,10 +87,60 @@ def test_plan_sizes_the_ring_from_shared_memory():
         assert 128 * (2 * gp.consumer_regs + gp.load_regs) <= 65536
 
 
+def test_plan_sizes_the_backward():
+    """One program per 128 keys (64 per consumer warpgroup); query tiles of 64 rows at d=128 (dQ split by columns)
+    and 128 at d=64 (by rows): 2 * 64 * (d + BLOCK_M) / 128 registers of dK, dV, S^T and dP^T per thread stay at
+    192; the Q/dO ring as deep as shared memory allows beside K, V and two dS^T buffers (at most 3)."""
+    smem = plan(_spec("causal"), "h100").target.smem_per_block - 1024
+    for d, block_m, split in ((128, 64, "d"), (64, 128, "m")):
+        gp = plan_gluon(plan(_spec("causal", head_dim=d), "h100"))
+        assert (gp.bwd_block_n, gp.bwd_block_m, gp.dq_split, gp.bwd_consumer_regs) == (128, block_m, split, 240)
+        assert 2 * 64 * (d + block_m) // 128 == 192
+        fixed = 2 * 128 * d * 2 + 2 * 128 * block_m * 2  # K and V; two dS^T buffers
+        assert gp.bwd_stages == min(3, (smem - fixed) // (2 * block_m * d * 2)) == 3
+        text = gp.describe()
+        assert "gluon backward" in text and f"BLOCK_M={block_m}" in text and "ring of 3 Q/dO stages" in text
+
+
+def test_which_generator_renders_the_backward():
+    """The Gluon backward adds dQ with atomics (no fixed order) and measured slower than the Triton generator's: it
+    renders the backward only when asked for twice (backend = gluon and deterministic = false)."""
+    spec = _spec("causal")
+    c = choose(spec, plan(spec, "h100"))
+    assert (c.generator, c.backward) == ("gluon", "triton") and "deterministic" in c.backward_reason
+    free = _spec("causal", deterministic=False)
+    c = choose(free, plan(free, "h100"))
+    assert (c.generator, c.backward) == ("gluon", "triton") and "measured slower (0.66-0.81x the Triton backward" in c.backward_reason
+    c = choose(free, plan(free, "h100"), Backend.GLUON)
+    assert (c.generator, c.backward) == ("gluon", "gluon") and "last bits may vary" in c.backward_reason
+    assert choose(_spec("causal", head_dim=64), plan(_spec("causal", head_dim=64), "h100")).backward == "triton"  # Triton forward
+    assert attngen.compile(free, "h100", backend="gluon").generator.backward == "gluon"
+    assert attngen.compile(spec, "h100", backend="gluon", deterministic=False).generator.backward == "gluon"
+    assert attngen.compile(free, "h100", backend="gluon", deterministic=True).generator.backward == "triton"
+
+
+def test_the_deterministic_setting():
+    spec = load_spec("attention t { head_dim = 64 deterministic = false }")
+    assert spec.deterministic is False and load_spec("attention t { head_dim = 64 }").deterministic is True
+    from attngen.canonical import format_spec, spec_hash
+    assert "deterministic = false" in format_spec(spec)
+    # printed only when false: the hashes (cache keys, bundle names) of every spec that does not say it stay as they were
+    assert "deterministic" not in format_spec(load_spec("attention t { head_dim = 64 deterministic = true }"))
+    assert spec_hash(load_spec("attention t { head_dim = 64 deterministic = true }")) == spec_hash(load_spec("attention t { head_dim = 64 }"))
+    with pytest.raises(attngen.SpecError, match="deterministic must be true or false") as err:
+        load_spec("attention t {\n    head_dim = 64\n    deterministic = 1\n}")
+    assert "line 3" in str(err.value) or ":3:" in str(err.value)
+    with pytest.raises(attngen.InputError, match="deterministic must be True or False; got 'no'"):
+        attngen.compile("specs/causal.attn", "h100", deterministic="no")
+    with pytest.raises(attngen.InputError, match="bundles hold the Triton generator's kernels, whose gradients are deterministic"):
+        attngen.compile("specs/causal.attn", bundle="build", deterministic=False)
+
+
 def test_names_are_translated_from_a_closed_table():
     assert translate("tl.where(a < b, tl.minimum(a, b), tl.math.div_rn(a, 2.0))") == "gl.where(a < b, gl.minimum(a, b), gl.div_rn(a, 2.0))"
     assert translate("x.to(tl.float32)") == "x.to(gl.float32)"
-    for code in ("tl.load(p + i)", "tl.sigmoid(x)", "tl.math.tanh(x)", "triton.language.exp(x)"):
+    assert translate("tl.load(in_x_ptr + h * in_x_stride_0, mask=(h < in_x_size_0), other=0)") == "gl.load(in_x_ptr + h * in_x_stride_0, mask=(h < in_x_size_0), other=0)"
+    for code in ("tl.arange(0, 16)", "tl.sigmoid(x)", "tl.math.tanh(x)", "triton.language.exp(x)", "tl.min(x, axis=1)"):
         with pytest.raises(Untranslatable):
             translate(code)
     # a spec whose score needs a function Gluon lacks is not rendered: sigmoid is refused by the translation, so
@@ -108,9 +159,10 @@ def test_names_are_translated_from_a_closed_table():
 def test_plan_command_says_which_generator_and_why(capsys):
     assert main(["plan", str(SPECS["causal"]), "--target", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "generator: gluon forward, triton backward" in out and "ring stages" in out and "consumers get" in out
+    assert "generator: gluon forward (backend = auto: sm_90" in out and "; triton backward (deterministic:" in out
+    assert "ring stages" in out and "consumers get" in out and "gluon backward (FlashAttention-3 structure" in out
     assert main(["plan", str(SPECS["document"]), "--target", "h100"]) == 0
-    assert "generator: triton forward (the Gluon generator does not take it: declared inputs" in capsys.readouterr().out
+    assert "generator: triton forward (the Gluon generator does not take it: tile classes from the inputs' per-chunk bounds" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", TAKEN)
@@ -118,17 +170,21 @@ def test_rendered_source_is_readable_and_carries_only_ir_code(name):
     spec = _spec(name)
     src = render(plan_gluon(plan(spec, "h100")))
     compile(src, name, "exec")  # valid Python
-    assert "Generated by attngen" in src and "Glossary" in src and "The schedule" in src and spec.name in src
-    assert "tl.load" not in src and not re.search(r"\btl\.(?!PropagateNan)", src)  # every Triton name was translated
-    for fn in ("_load_partition", "_consumer", "_softmax_step", "_attn_fwd", "attention_forward"):
+    assert "Generated by attngen" in src and "Glossary" in src and spec.name in src
+    assert not re.search(r"\btl\.(?!PropagateNan)", src)  # every Triton name was translated
+    for fn in ("_load_partition", "_consumer", "_softmax_step", "_attn_fwd", "attention_forward",
+               "_bwd_delta", "_q_tiles", "_bwd_load_partition", "_bwd_consumer", "_attn_bwd", "attention_backward"):
         assert f"def {fn}(" in src
+    assert "The forward's schedule" in src and "The backward's schedule" in src
 
 
-@pytest.mark.slow  # triton.compile for sm_90 in subprocesses: about 40 s on 2 cores
+@pytest.mark.slow  # triton.compile for sm_90 in subprocesses: about 3 min on 2 cores
 def test_every_taken_spec_compiles_for_sm90(tmp_path):
-    """A Gluon kernel that does not compile would only fail on the GPU: compile each spec's forward for sm_90 here
-    (bf16 and fp16; in a process of its own, without the interpreter) and check the schedule made it into the PTX:
-    the register budgets (setmaxnreg 24 and 240), the wgmma products, the TMA copies; and the shared memory fits."""
+    """A Gluon kernel that does not compile would only fail on the GPU: compile each spec's kernels for sm_90 here
+    (the forward, the backward and its pre-pass; bf16 and fp16; in a process of its own, without the
+    interpreter, specialized as Triton's JIT would on the GPU) and check the schedule made it into the PTX: the
+    register budgets (setmaxnreg 24 and 240), the wgmma products, the TMA copies, the backward's dQ added by
+    vectorized float32 atomics (aligned pointers); and the shared memory fits."""
     from attngen.codegen.gluon import build_source
 
     smem = plan(_spec("causal"), "h100").target.smem_per_block
@@ -140,10 +196,14 @@ def test_every_taken_spec_compiles_for_sm90(tmp_path):
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
         lines = [json.loads(line) for line in run.stdout.splitlines()]
-        assert [r["dtype"] for r in lines] == ["bf16", "fp16"]
+        assert [(r["kernel"], r["dtype"]) for r in lines] == [(k, t) for t in ("bf16", "fp16") for k in ("_attn_fwd", "_attn_bwd", "_bwd_delta")]
         for r in lines:
-            assert {"24", "240"} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"], (name, r)
-            assert 0 < r["shared"] <= smem and r["cubin_bytes"] > 0, (name, r)
+            assert r["cubin_bytes"] > 0 and 0 <= r["shared"] <= smem, (name, r)
+            if r["kernel"] != "_bwd_delta":
+                assert {"24", "240"} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"] and r["shared"] > 0, (name, r)
+            if r["kernel"] == "_attn_fwd":
+                assert r["spill_bytes"] == 0, (name, r)
+        assert all(r["atomics"] == ["atom.global.gpu.relaxed.add.v2.f32"] for r in lines if r["kernel"] == "_attn_bwd"), (name, lines)
 
 
 def test_on_the_cpu_a_gluon_kernel_runs_the_triton_forward(device):
@@ -167,4 +227,56 @@ def test_gluon_forward_matches_the_reference(name, device):
         results = [verify.check_one(kern, shape, "cuda", seed=i) for i, shape in enumerate(verify.CUDA_SHAPES)]
         assert all(r.ok for r in results), verify.format_table(name, results)
         q, k, v = (torch.randn(2, 4, 777, kern.spec.head_dim, device="cuda", dtype=verify._TORCH[kern.spec.dtype.value]) for _ in range(3))
-        assert torch.equal(kern(q, k, v), kern(q, k, v))
+        inputs = verify.make_inputs(kern.spec, 2, 4, 777, 777, "cuda", torch.Generator().manual_seed(1))
+        assert torch.equal(kern(q, k, v, **inputs), kern(q, k, v, **inputs))
+
+
+@pytest.mark.parametrize("name", TAKEN)
+def test_gluon_backward_matches_the_reference(name, device):
+    """Both passes through Gluon (backend = gluon, deterministic = false) within `attngen check`'s budget on every
+    CUDA shape, bf16 and fp16; reruns give bit-identical O, dK and dV (dQ is added by atomics in no fixed order)."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    for dtype in (DType.BF16, DType.FP16):
+        kern = attngen.compile(_spec(name, dtype=dtype), backend="gluon", deterministic=False)
+        assert kern.generator.backward == "gluon"
+        results = [verify.check_one(kern, shape, "cuda", seed=i) for i, shape in enumerate(verify.CUDA_SHAPES)]
+        assert all(r.ok for r in results), verify.format_table(name, results)
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        q, do = (torch.randn(2, 4, 777, kern.spec.head_dim, device="cuda", dtype=verify._TORCH[dtype.value], generator=gen) for _ in range(2))
+        k, v = (torch.randn(2, 2, 777, kern.spec.head_dim, device="cuda", dtype=verify._TORCH[dtype.value], generator=gen) for _ in range(2))
+        inputs = verify.make_inputs(kern.spec, 2, 4, 777, 777, "cuda", torch.Generator().manual_seed(1))
+        runs = []
+        for _ in range(2):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = kern(*leaves, **inputs)
+            runs.append((out, *torch.autograd.grad(out, leaves, do)))
+        (o1, dq1, dk1, dv1), (o2, dq2, dk2, dv2) = runs
+        assert torch.equal(o1, o2) and torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
+        assert not torch.isnan(dq1).any() and torch.allclose(dq1.float(), dq2.float(), rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["dense", "causal"])
+def test_a_head_reads_nothing_of_the_next_one(name, device):
+    """Tiles past the end of a head are read as zeros (3-D TMA descriptors, one (batch, head) per coordinate), not
+    as the next head's first rows: inf in head 1's first rows of q, k, v and dO leaves head 0's output and
+    gradients finite and equal to the float64 reference. Before, with the tensors viewed as (B*H*N, D) rows, head
+    0's last key tile read head 1's first keys, masked to weight 0, and 0 * inf made NaN."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    kern = attngen.compile(_spec(name), backend="gluon", deterministic=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = 200  # not a multiple of 128 (keys per tile) or 64 (query rows per warpgroup)
+    q, k, v, do = (torch.randn(1, 2, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    for t in (q, k, v, do):
+        t[:, 1, :64] = float("inf")
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = kern(*leaves)
+    grads = torch.autograd.grad(out, leaves, do)
+    wide = [t[:, :1].detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attngen.reference(kern.spec, *wide, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, wide, do[:, :1].double())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        got = got[:, :1].double()
+        assert torch.isfinite(got).all()
+        assert (got - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item())

@@ -4,33 +4,93 @@ from __future__ import annotations
 
 from types import ModuleType
 
+ARCH = 90
 
-def compile_forward(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv_heads: int = 1, q_len: int = 130, kv_len: int = 200):
-    """The module's _attn_fwd compiled for sm_90 from the signature of a call on CPU tensors of these sizes
-    (descriptors carry only their block shape and layout in the signature: one binary serves every size)."""
-    import torch
+
+def specialize(fn, args: tuple, options: dict) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) that Triton's JIT would compile `fn` with for these arguments on
+    sm_90: the same binder, so pointer alignment (which decides, e.g., whether atomics are vectorized) and the
+    arguments equal to 1 are specialized exactly as on the GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", ARCH, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(options, debug=fn.debug or triton.knobs.runtime.debug, instrumentation_mode=triton.knobs.compilation.instrumentation_mode)
+    bound, specialization, opts = binder(*args, **kwargs)
+    opts, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, opts)
+    return signature, constexprs, attrs, dict(opts.__dict__)
+
+
+def compile_kernel(fn, args: tuple, options: dict):
+    """`fn` (a gluon.jit function) compiled for sm_90 for a call with `args` (CPU tensors stand in for the GPU's:
+    only their types, shapes of descriptors and alignment matter)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+
+    signature, constexprs, attrs, opts = specialize(fn, args, options)
+    source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", ARCH, 32), options=opts)
+
+
+def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv_heads: int = 1, q_len: int = 130,
+                   kv_len: int = 200) -> dict:
+    """The module's kernels (forward, backward and its pre-pass) compiled for sm_90 from the signatures of a
+    call on CPU tensors of these sizes (descriptors carry only their block shape and layout in the signature,
+    and the sizes are never specialized: one binary serves every size). {kernel name: CompiledKernel}."""
+    import torch
 
     d = int(module.HEAD_DIM.value)
     q = torch.empty(batch, heads, q_len, d, dtype=dtype)
     k = torch.empty(batch, kv_heads, kv_len, d, dtype=dtype)
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
-    args = module.launch_args(q, k, k, o, lse)
-    fn = module._attn_fwd
-    signature = {name: mangle_type(a) for name, a in zip(fn.arg_names, args)}
-    source = GluonASTSource(fn=fn, signature=signature, constexprs={})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": module.MAXNREG})
+    dtypes = {"bool": torch.bool, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+              "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    inputs = [torch.zeros([4] * ndim, dtype=dtypes[kind]) for _, kind, ndim in module.INPUTS]  # only their types matter
+    warps = {"num_warps": 4, "maxnreg": module.MAXNREG}
+    dq = torch.empty(q.shape, dtype=torch.float32)
+    return {
+        "_attn_fwd": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs), warps),
+        "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, lse, lse, dq, k, k, *inputs), warps),
+        "_bwd_delta": compile_kernel(module._bwd_delta, (o, o, lse, lse, lse.numel(), False, module.DELTA_ROWS), {"num_warps": 4}),
+    }
+
+
+def compile_forward(module: ModuleType, dtype, **sizes):
+    """The module's forward kernel compiled for sm_90 (see compile_module)."""
+    return compile_module(module, dtype, **sizes)["_attn_fwd"]
+
+
+def ptxas_report(kernel) -> dict:
+    """Registers per thread and spilled bytes of a compiled kernel, from `ptxas -v` (Triton's own ptxas) over its
+    PTX: a loaded kernel's n_regs needs a GPU; this does not."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(ARCH).path
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(kernel.asm["ptx"])
+        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", out)
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": sum(int(x) for x in spills)}
 
 
 def main(argv: list[str] | None = None) -> int:
     """python -m attngen.codegen.gluon.binaries MODULE.py [bf16|fp16 ...]: compile a generated Gluon module's
-    forward for sm_90 and print one JSON line per dtype (shared memory, setmaxnreg budgets, instructions seen).
-    Run in its own process: under TRITON_INTERPRET=1 Triton's library functions are interpreter objects, which
-    Gluon cannot compile."""
+    kernels for sm_90 and print one JSON line per kernel and dtype (shared memory, registers, spills,
+    setmaxnreg budgets, instructions seen). Run in its own process: under TRITON_INTERPRET=1 Triton's library
+    functions are interpreter objects, which Gluon cannot compile."""
     import importlib.util
     import json
     import re
@@ -46,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     for name in argv[1:] or ["bf16"]:
-        kernel = compile_forward(module, {"bf16": torch.bfloat16, "fp16": torch.float16}[name])
-        ptx = kernel.asm["ptx"]
-        print(json.dumps({"dtype": name, "shared": kernel.metadata.shared,
-                          "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
-                          "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx, "cubin_bytes": len(kernel.asm["cubin"])}))
+        for kernel_name, kernel in compile_module(module, {"bf16": torch.bfloat16, "fp16": torch.float16}[name]).items():
+            ptx = kernel.asm["ptx"]
+            print(json.dumps({"kernel": kernel_name, "dtype": name, "shared": kernel.metadata.shared,
+                              **ptxas_report(kernel),
+                              "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
+                              "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+                              "atomics": sorted(set(re.findall(r"(?:red|atom)\.global[\w.]*", ptx))),
+                              "cubin_bytes": len(kernel.asm["cubin"])}))
     return 0
 
 

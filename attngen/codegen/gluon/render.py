@@ -3,17 +3,26 @@ templates in templates/gluon/. The expressions are expr.py's, lowered for the Tr
 (the same fragments), their names translated by lower.py."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ... import expr as ex
 from ...canonical import format_spec
 from ...intervals import lower_tile_class
 from .. import Templates, versions
-from ..lowering import lower_for_kernel
+from ..lowering import KernelCode, lower_for_kernel
 from .lower import helpers as gluon_helpers
-from .lower import translate
+from .lower import Untranslatable, translate
 from .plan import M_PER_WARPGROUP, REGISTERS_PER_SM, GluonPlan
 
 LOG2E = 1.4426950408889634
-TEMPLATES = Templates("gluon", "forward.py.jinja")
+TEMPLATES = Templates("gluon", "module.py.jinja")
+
+
+@dataclass(frozen=True)
+class _Input:
+    name: str
+    dtype: str
+    ndim: int
 
 
 def context(gp: GluonPlan) -> dict:
@@ -22,10 +31,13 @@ def context(gp: GluonPlan) -> dict:
     spec = plan.spec
     helpers: set[str] = set()
     fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers)
+    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers)  # as the Triton dK/dV kernel's
     tile_class = None
     if plan.mask is not None and plan.classify:
         tile_class = lower_tile_class(plan.mask, ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name))
         if tile_class is not None:
+            if tile_class.bounds:
+                raise Untranslatable("tile classes from the inputs' per-chunk bounds (the pre-pass) are not ported to Gluon yet")
             helpers |= tile_class.helpers
             tile_class = type(tile_class)([translate(s) for s in tile_class.stmts], translate(tile_class.may_drop),
                                           translate(tile_class.may_keep), tile_class.helpers, tile_class.params, tile_class.bounds)
@@ -50,11 +62,14 @@ def context(gp: GluonPlan) -> dict:
         "outer": [translate(s) for s in fwd.outer],
         "helpers": gluon_helpers(helpers),
         "tile_class": tile_class,
+        "inputs": [_Input(i.name, i.dtype, len(i.dims)) for i in spec.inputs],
+        "dkdv": KernelCode([translate(s) for s in dkdv.outer], [translate(s) for s in dkdv.inner], translate(dkdv.mask),
+                           translate(dkdv.score), translate(dkdv.dscore), []),
     }
 
 
 def render(gp: GluonPlan) -> str:
-    return TEMPLATES.render("forward.py.jinja", context(gp))
+    return TEMPLATES.render("module.py.jinja", context(gp))
 
 
 def build_source(gp: GluonPlan) -> tuple[str, str]:
