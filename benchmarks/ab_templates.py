@@ -1,12 +1,16 @@
 """A/B test of two template directories on the GPU: the same plans rendered from each, outputs compared, the
 forward and the backward timed alternately (A, B, A, B: drift between the two falls on both).
 
-    python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR [--b templates/triton] [--specs dense causal]
-                                      [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
+    python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR [--b templates/triton] [--generator triton|gluon]
+                                      [--specs dense causal] [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
 
-Keep A as a copy of the templates before a change (e.g. `git archive HEAD templates/triton | tar -x -C /tmp/a`, then --a /tmp/a/templates/triton).
+Keep A as a copy of the templates before a change (e.g. `git archive HEAD templates/triton | tar -x -C /tmp/a`, then
+--a /tmp/a/templates/triton); the device machine has no git history, so copy A into a folder that travels.
+With --generator gluon (B defaults to templates/gluon) the Gluon modules are compared: their forwards, and their
+backwards where both have one (the Gluon templates before 2026-11-25 held only the forward, in forward.py.jinja).
 """
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -16,34 +20,43 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attngen.codegen import Templates  # noqa: E402
+from attngen.codegen.gluon import plan_gluon  # noqa: E402
+from attngen.codegen.gluon.render import context as gluon_context  # noqa: E402
 from attngen.codegen.triton import render  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
 from attngen.loader import load_module as _load  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
 
 
-def module_from(templates: Path, plan):
+def module_from(templates: Path, plan, generator: str = "triton"):
     """The generated module of `plan` rendered from `templates` (the cache key covers the templates' digest)."""
-    render.TEMPLATES = Templates("triton", "module.py.jinja", directory=templates)
-    return _load(plan.spec.name, *render.build_source(plan))
+    if generator == "triton":
+        render.TEMPLATES = Templates("triton", "module.py.jinja", directory=templates)
+        return _load(plan.spec.name, *render.build_source(plan))
+    main = "module.py.jinja" if (templates / "module.py.jinja").is_file() else "forward.py.jinja"
+    source = Templates("gluon", main, directory=templates).render(main, gluon_context(plan_gluon(plan)))
+    return _load(f"{plan.spec.name}_gluon", hashlib.sha256(source.encode()).hexdigest(), source)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", required=True, type=Path)
-    ap.add_argument("--b", default=ROOT / "templates" / "triton", type=Path)
+    ap.add_argument("--b", default=None, type=Path, help="default: templates/GENERATOR")
+    ap.add_argument("--generator", choices=("triton", "gluon"), default="triton")
     ap.add_argument("--specs", nargs="+", default=["dense", "causal"])
     ap.add_argument("--dims", nargs="+", type=int, default=[128, 64])
     ap.add_argument("--seq", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    args.b = args.b or ROOT / "templates" / args.generator
     rows = []
     for name in args.specs:
         for d in args.dims:
             spec = shipped_spec(name, d)
             plan = make_plan(spec, "auto")
-            mods = {"A": module_from(args.a.resolve(), plan), "B": module_from(args.b.resolve(), plan)}
+            mods = {"A": module_from(args.a.resolve(), plan, args.generator), "B": module_from(args.b.resolve(), plan, args.generator)}
+            parts = ("fwd", "bwd") if all(hasattr(m, "attention_backward") for m in mods.values()) else ("fwd",)
             for n in args.seq:
                 bsz, h = 16384 // n, 2048 // d
                 g = torch.Generator(device="cuda").manual_seed(0)
@@ -52,17 +65,18 @@ def main():
                 outs = {}
                 for key, mod in mods.items():
                     o, lse = mod.attention_forward(q, k, v)
-                    outs[key] = (o, lse) + tuple(mod.attention_backward(q, k, v, o, lse, do, None))
+                    outs[key] = (o, lse) + (tuple(mod.attention_backward(q, k, v, o, lse, do, None)) if "bwd" in parts else ())
                 err = max((x.float() - y.float()).abs().max().item() for x, y in zip(outs["A"], outs["B"]))
                 nan = any(torch.isnan(x).any().item() for x in outs["B"])
-                times = {(key, part): [] for key in mods for part in ("fwd", "bwd")}
+                times = {(key, part): [] for key in mods for part in parts}
                 for _ in range(args.rounds):
                     for key, mod in mods.items():
                         o, lse = outs[key][:2]
                         times[key, "fwd"].append(median_ms(lambda: mod.attention_forward(q, k, v)))
-                        times[key, "bwd"].append(median_ms(lambda: mod.attention_backward(q, k, v, o, lse, do, None)))
+                        if "bwd" in parts:
+                            times[key, "bwd"].append(median_ms(lambda: mod.attention_backward(q, k, v, o, lse, do, None)))
                 row = {"spec": name, "d": d, "N": n, "max_diff": err, "nan": nan}
-                for part, mult in (("fwd", 1.0), ("bwd", 2.5)):
+                for part, mult in (("fwd", 1.0), ("bwd", 2.5))[:len(parts)]:
                     a, b = min(times["A", part]), min(times["B", part])
                     row |= {f"{part}_A_tflops": mult * flop / a * 1e-9, f"{part}_B_tflops": mult * flop / b * 1e-9, f"{part}_B_over_A": a / b}
                 rows.append(row)
@@ -70,9 +84,9 @@ def main():
     print(versions())
     print("\nSUMMARY (TFLOP/s A -> B, speed-up B/A)")
     for r in rows:
+        bwd = f"bwd {r['bwd_A_tflops']:.0f} -> {r['bwd_B_tflops']:.0f} ({r['bwd_B_over_A']:.3f}x); " if "bwd_A_tflops" in r else ""
         print(f"{r['spec']} d={r['d']} N={r['N']}: fwd {r['fwd_A_tflops']:.0f} -> {r['fwd_B_tflops']:.0f} ({r['fwd_B_over_A']:.3f}x), "
-              f"bwd {r['bwd_A_tflops']:.0f} -> {r['bwd_B_tflops']:.0f} ({r['bwd_B_over_A']:.3f}x); max diff {r['max_diff']:.2e}{' NaN!' if r['nan'] else ''}",
-              flush=True)
+              f"{bwd}max diff {r['max_diff']:.2e}{' NaN!' if r['nan'] else ''}", flush=True)
     if args.json:
         save_results(args.json, rows=rows)
 
