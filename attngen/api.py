@@ -25,10 +25,9 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
         from .bundle import load
         from .check import read_spec
 
-        if backend not in (None, "auto", "triton"):
-            raise InputError("bundles hold the Triton generator's kernels; drop bundle= or backend=")
-        if deterministic is False:
-            raise InputError("bundles hold the Triton generator's kernels, whose gradients are deterministic; drop bundle= or deterministic=False")
+        if backend is not None or deterministic is not None:
+            raise InputError("a bundle holds the kernels of the generators its build chose from the spec's own backend and "
+                             "deterministic settings; set them in the spec and rebuild, or drop bundle=")
         return load(bundle, spec=read_spec(spec), strict=strict, target=target)
     from . import runtime
 

@@ -5,8 +5,11 @@
 
 A bundle is a directory: `manifest.json`, one readable module per (spec, target) (`causal_h100.py`, the
 same file the JIT path caches) and the binaries of its kernels (`causal_h100/<kernel>-<hash>/` with the
-.cubin, Triton's metadata .json and the .ptx). Paths in the manifest are relative: copy the directory
-anywhere. Every file's sha256 is in the manifest and is checked on load.
+.cubin, Triton's metadata .json and the .ptx). Where the spec's forward (or backward) is the Gluon generator's
+on that target (attngen/codegen/gluon/plan.py decides, as for a just-in-time compile), the entry also holds
+the Gluon module (`causal_h100_gluon.py`) and its kernels' binaries, under the entry's "gluon" key. Paths in
+the manifest are relative: copy the directory anywhere. Every file's sha256 is in the manifest and is
+checked on load.
 
 What to compile. Triton compiles one binary per *specialization* of a kernel: argument types, which integer
 arguments equal 1, which pointers and integers are divisible by 16, the constexpr values, warps and stages.
@@ -16,8 +19,9 @@ own launchers (forward and backward; with and without dropout and input gradient
 on small CPU tensors at three sequence lengths whose strides fall in different divisibility classes (256,
 200, 201). Triton's own binder specializes each recorded launch for the target's backend, as the JIT does
 on the device; every distinct specialization is compiled with
-`triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`, in worker processes (a crash in
-LLVM cannot take the build down with it).
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` (GluonASTSource for a Gluon kernel), in
+worker processes (a crash in LLVM cannot take the build down with it). The Gluon module's launchers are
+recorded the same way, for the passes it renders.
 
 How a load launches them. Triton's JIT, on a call it has no binary for, calls its kernel's `compile`
 attribute. `load` points that attribute, for each kernel of the bundle's module, at a lookup in the bundle:
@@ -187,24 +191,45 @@ class _Recorder:
         return launch
 
 
+class _Recording:
+    """`with _Recording(module, arch) as sink:` the module's kernels are recorders while the block runs; `sink`
+    collects the launches."""
+
+    def __init__(self, module, arch: int):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        self.module, self.backend, self.sink = module, make_backend(GPUTarget("cuda", arch, 32)), []
+        self.originals = _kernels(module)
+
+    def __enter__(self) -> list:
+        for name, fn in self.originals.items():
+            setattr(self.module, name, _Recorder(fn, self.backend, self.sink))
+        return self.sink
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self.originals.items():
+            setattr(self.module, name, fn)
+
+
+def _unique(sink: list[_Launch]) -> list[_Launch]:
+    unique: dict[str, _Launch] = {}
+    for launch in sink:
+        unique.setdefault(launch.key, launch)
+    return list(unique.values())
+
+
 def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
     """Every distinct specialization the module's launchers ask for (see the module doc), for sm_`arch`."""
     import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
 
     from .runtime import Kernel, _Dims
     from .verify import _TORCH, make_inputs
 
-    backend = make_backend(GPUTarget("cuda", arch, 32))
-    sink: list[_Launch] = []
-    originals = _kernels(module)
     spec = kernel_plan.spec
     kern = Kernel(spec, kernel_plan, "", Path(module.__file__), module)
     dtype = _TORCH[spec.dtype.value]
-    try:
-        for name, fn in originals.items():
-            setattr(module, name, _Recorder(fn, backend, sink))
+    with _Recording(module, arch) as sink:
         for B, Hq, Hkv, Nq, Nk in SHAPES:
             gen = torch.Generator().manual_seed(0)
             q = torch.randn(B, Hq, Nq, spec.head_dim, generator=gen).to(dtype)
@@ -221,13 +246,31 @@ def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
                 for input_grads in ([False, True] if kernel_plan.read_grads else [False]):
                     grads = {"input_grads": True} if input_grads else {}
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **grads, **extra)
-    finally:
-        for name, fn in originals.items():
-            setattr(module, name, fn)
-    unique: dict[str, _Launch] = {}
-    for launch in sink:
-        unique.setdefault(launch.key, launch)
-    return list(unique.values())
+    return _unique(sink)
+
+
+def record_gluon_launches(kernel_plan, choice, module, arch: int) -> list[_Launch]:
+    """The specializations a Gluon module's launchers ask for: its forward, and its backward where `choice`
+    has the Gluon generator render it. Their sizes are never specialized and the descriptors carry only their
+    block shapes, so the shapes add nothing but a check that they agree."""
+    import torch
+
+    from .verify import _TORCH, make_inputs
+
+    spec = kernel_plan.spec
+    dtype = _TORCH[spec.dtype.value]
+    with _Recording(module, arch) as sink:
+        for B, Hq, Hkv, Nq, Nk in SHAPES:
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randn(B, Hq, Nq, spec.head_dim, generator=gen).to(dtype)
+            k = torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(dtype)
+            v = torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(dtype)
+            inputs = make_inputs(spec, B, Hq, Nq, Nk, "cpu", gen)
+            tensors = [inputs[d.name] for d in spec.inputs]
+            o, lse = module.attention_forward(q, k, v, *tensors)
+            if choice.backward == "gluon":
+                module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors)
+    return _unique(sink)
 
 
 # ------------------------------------------------------------------------------------------------ compiling
@@ -246,12 +289,14 @@ def _compile_job(module_path: str, module_name: str, launch: _Launch, arch: int)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     module = _worker_modules.get(module_path)
     if module is None:
         module = _worker_modules[module_path] = _import_compiled(module_name, Path(module_path), Path(module_path).read_text(encoding="utf-8"))
     fn = getattr(module, launch.kernel)  # a real JITFunction: _worker_init turned the interpreter off
-    compiled = triton.compile(ASTSource(fn, launch.signature, launch.constexprs, launch.attrs),
+    source_class = GluonASTSource if fn.is_gluon() else ASTSource
+    compiled = triton.compile(source_class(fn, launch.signature, launch.constexprs, launch.attrs),
                               target=GPUTarget("cuda", arch, 32), options=launch.options)
     files = {}
     for fname, fpath in compiled.metadata_group.items():
@@ -293,6 +338,9 @@ class _Job:
     plan: object
     source: str
     launches: list = field(default_factory=list)
+    choice: object = None  # codegen.gluon.Choice: which generator renders each pass
+    gluon_source: str | None = None  # the Gluon module, where the choice takes Gluon
+    gluon_launches: list = field(default_factory=list)
 
 
 def _sha256(data: bytes) -> str:
@@ -300,9 +348,15 @@ def _sha256(data: bytes) -> str:
 
 
 def _entry_files(entry: dict) -> list[tuple[str, str]]:
-    """(relative path, sha256) of every file of a manifest entry: its module, then its kernels' files."""
-    return [(entry["module"]["path"], entry["module"]["sha256"])] + [
+    """(relative path, sha256) of every file of a manifest entry: its module, its kernels' files, then the same
+    of its Gluon module where it has one."""
+    files = [(entry["module"]["path"], entry["module"]["sha256"])] + [
         (f["path"], f["sha256"]) for k in entry["kernels"] for f in k["files"].values()]
+    gluon = entry.get("gluon")
+    if gluon is not None:
+        files += [(gluon["module"]["path"], gluon["module"]["sha256"])] + [
+            (f["path"], f["sha256"]) for k in gluon["kernels"] for f in k["files"].values()]
+    return files
 
 
 def _plan_summary(p) -> dict:
@@ -328,6 +382,10 @@ def read_manifest(directory: Path) -> dict:
         for fld in ("name", "target", "arch", "spec", "spec_hash", "module", "kernels"):
             if not isinstance(entry, dict) or fld not in entry:
                 raise BundleError(f"{path}: an entry lacks {fld!r}")
+        gluon = entry.get("gluon")
+        if gluon is not None and not (isinstance(gluon, dict) and isinstance(gluon.get("module"), dict) and isinstance(gluon.get("kernels"), list)
+                                      and gluon.get("forward") in ("gluon", "triton") and gluon.get("backward") in ("gluon", "triton")):
+            raise BundleError(f"{path}: entry {entry.get('name')!r} has a malformed 'gluon' section")
         for rel, _ in _entry_files(entry):
             if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
                 raise BundleError(f"{path}: file path {rel!r} leaves the bundle directory")
@@ -346,6 +404,8 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
     from .errors import PlanError
     from .plan import plan as make_plan
     from .codegen import versions
+    from .codegen.gluon import build_source as build_gluon_source
+    from .codegen.gluon import choose
     from .codegen.triton import build_source
 
     out_dir = Path(out_dir)
@@ -373,7 +433,14 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
                 "module": {"path": f"{spec.name}_{p.target.name}.py", "sha256": _sha256(source.encode())},
                 "kernels": [],
             }
-            work.append(_Job(entry, p, source))
+            job = _Job(entry, p, source, choice=choose(spec, p))
+            if job.choice.gluon is not None:
+                _, job.gluon_source = build_gluon_source(job.choice.gluon)
+                entry["gluon"] = {
+                    "module": {"path": f"{spec.name}_{p.target.name}_gluon.py", "sha256": _sha256(job.gluon_source.encode())},
+                    "forward": job.choice.generator, "backward": job.choice.backward, "kernels": [],
+                }
+            work.append(job)
 
     old = None
     if out_dir.exists():
@@ -389,9 +456,15 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
         for job in work:
             path = staging / job.entry["module"]["path"]
             path.write_text(job.source, encoding="utf-8")
+            if job.gluon_source is not None:
+                (staging / job.entry["gluon"]["module"]["path"]).write_text(job.gluon_source, encoding="utf-8")
             if binaries:
                 module = _import_compiled(f"attngen_build_{job.entry['name']}_{job.entry['arch']}_{os.getpid()}", path, job.source)
                 job.launches = record_launches(job.plan, module, job.entry["arch"])
+                if job.gluon_source is not None:
+                    gluon_path = staging / job.entry["gluon"]["module"]["path"]
+                    gluon = _import_compiled(f"attngen_build_{job.entry['name']}_{job.entry['arch']}_gluon_{os.getpid()}", gluon_path, job.gluon_source)
+                    job.gluon_launches = record_gluon_launches(job.plan, job.choice, gluon, job.entry["arch"])
         _compile_all(work, staging, jobs, progress)
         entries = [j.entry for j in work]
         if old is not None:  # keep the old bundle's other entries, files included
@@ -419,7 +492,8 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
 
 def _compile_all(work: list[_Job], staging: Path, jobs: int | None, progress: bool) -> None:
     """Compile every job's launches (in `jobs` worker processes) and write the files into `staging`."""
-    tasks = [(job, launch) for job in work for launch in job.launches]
+    tasks = [(job, launch, False) for job in work for launch in job.launches]
+    tasks += [(job, launch, True) for job in work for launch in job.gluon_launches]
     if not tasks:
         return
     bar = _Progress(len(tasks), progress)
@@ -428,11 +502,12 @@ def _compile_all(work: list[_Job], staging: Path, jobs: int | None, progress: bo
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init) as pool:
         futures = []
-        for job, launch in tasks:
-            module_path = str(staging / job.entry["module"]["path"])
-            futures.append(pool.submit(_compile_job, module_path, f"attngen_bundle_build_{job.entry['name']}", launch, job.entry["arch"]))
-        for (job, launch), future in zip(tasks, futures):
-            what = f"{job.entry['name']} for {job.entry['target']}: {launch.kernel}"
+        for job, launch, gluon in tasks:
+            module = job.entry["gluon"]["module"] if gluon else job.entry["module"]
+            name = f"attngen_bundle_build_{job.entry['name']}" + ("_gluon" if gluon else "")
+            futures.append(pool.submit(_compile_job, str(staging / module["path"]), name, launch, job.entry["arch"]))
+        for (job, launch, gluon), future in zip(tasks, futures):
+            what = f"{job.entry['name']} for {job.entry['target']}: {launch.kernel}" + (" (Gluon)" if gluon else "")
             try:
                 triton_hash, files, shared = future.result()
             except BrokenProcessPool:
@@ -443,13 +518,13 @@ def _compile_all(work: list[_Job], staging: Path, jobs: int | None, progress: bo
             if shared > limit:
                 raise BundleError(f"{what} needs {shared} bytes of shared memory; {job.plan.target.full_name} has {limit} per block "
                                   f"(lower block_m / block_n in the spec)")
-            rel_dir = f"{job.entry['name']}_{job.entry['target']}/{launch.kernel}-{triton_hash[:16]}"
+            rel_dir = f"{job.entry['name']}_{job.entry['target']}/{'gluon_' if gluon else ''}{launch.kernel}-{triton_hash[:16]}"
             (staging / rel_dir).mkdir(parents=True, exist_ok=True)
             entry_files = {}
             for fname, data in sorted(files.items()):
                 (staging / rel_dir / fname).write_bytes(data)
                 entry_files[fname] = {"path": f"{rel_dir}/{fname}", "sha256": _sha256(data)}
-            job.entry["kernels"].append({
+            (job.entry["gluon"]["kernels"] if gluon else job.entry["kernels"]).append({
                 "kernel": launch.kernel, "key": launch.key, "triton_hash": triton_hash, "shared": shared,
                 "num_warps": launch.options["num_warps"], "num_stages": launch.options["num_stages"], "files": entry_files,
             })
@@ -532,9 +607,11 @@ def _install(fn, binaries: dict, where: str, strict: bool, stats: BundleStats) -
     assert isinstance(fn.compile, _PrebuiltCompile), "the kernel had run before the bundle was installed"
 
 
-def _verify_files(directory: Path, entry: dict) -> tuple[str | None, str | None]:
-    """(the module's text, None) if every file matches its digest, else (None, what is wrong)."""
-    text = None
+def _verify_files(directory: Path, entry: dict) -> tuple[dict[str, str] | None, str | None]:
+    """({relative path: text} of the entry's modules, None) if every file matches its digest, else (None, what
+    is wrong)."""
+    modules = {entry["module"]["path"]} | ({entry["gluon"]["module"]["path"]} if entry.get("gluon") else set())
+    texts = {}
     for rel, digest in _entry_files(entry):
         try:
             data = (directory / rel).read_bytes()
@@ -542,9 +619,9 @@ def _verify_files(directory: Path, entry: dict) -> tuple[str | None, str | None]
             return None, f"{rel} is missing or unreadable ({err.strerror})"
         if _sha256(data) != digest:
             return None, f"{rel} does not match its sha256 in the manifest (modified or corrupted)"
-        if rel == entry["module"]["path"]:
-            text = data.decode("utf-8")
-    return text, None
+        if rel in modules:
+            texts[rel] = data.decode("utf-8")
+    return texts, None
 
 
 def _device_arch() -> tuple[int | None, str]:
@@ -589,13 +666,14 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
     matching the build, the kernels launch the bundle's binaries with no compilation; otherwise (see the
     module doc for the checks) a BundleWarning says why and the spec is compiled just in time, or, with
     strict=True, BundleError is raised. `kernel.bundle` tells what happened."""
-    from . import loader, runtime
-    from .codegen.gluon import Choice
+    from . import runtime
     from .canonical import spec_hash as hash_of
     from .check import load_spec
-    from .plan import plan as make_plan
     from .codegen import versions
+    from .codegen.gluon import Choice, choose
+    from .codegen.gluon import build_source as build_gluon_source
     from .codegen.triton import build_source
+    from .plan import plan as make_plan
 
     directory = Path(directory).resolve()
     manifest = read_manifest(directory)
@@ -608,16 +686,24 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
     spec_obj = spec if spec is not None else load_spec(entry["spec"], f"{directory / MANIFEST} ({entry['name']})")
     where = f"bundle {directory} ({entry['name']} for {entry['target']})"
 
-    text, reason = _verify_files(directory, entry)
-    kernel_plan = source = None
+    texts, reason = _verify_files(directory, entry)
+    kernel_plan = source = choice = None
+    gluon = entry.get("gluon")
     if reason is None and hash_of(spec_obj) != entry["spec_hash"]:
         reason = "the manifest's spec text does not match its spec_hash"
     if reason is None:
         kernel_plan = make_plan(spec_obj, entry["target"])
         _, source = build_source(kernel_plan)
-        if source != text:
-            reason = (f"this attngen {versions()['attngen']} / triton {versions()['triton']} generates a different module for the spec "
-                      f"than the bundle's (built by attngen {manifest['attngen']} / triton {manifest['triton']}); rebuild the bundle")
+        choice = choose(spec_obj, kernel_plan)
+        rebuilt = (f"this attngen {versions()['attngen']} / triton {versions()['triton']} generates a different module for the spec "
+                   f"than the bundle's (built by attngen {manifest['attngen']} / triton {manifest['triton']}); rebuild the bundle")
+        if source != texts[entry["module"]["path"]]:
+            reason = rebuilt
+        elif gluon is not None and (choice.gluon is None or (choice.generator, choice.backward) != (gluon["forward"], gluon["backward"])):
+            reason = (f"the bundle renders the forward with {gluon['forward']} and the backward with {gluon['backward']}; this attngen "
+                      f"chooses {choice.describe()}; rebuild the bundle")
+        elif gluon is not None and build_gluon_source(choice.gluon)[1] != texts[gluon["module"]["path"]]:
+            reason = rebuilt.replace("a different module", "a different Gluon module")
     if reason is None and manifest["triton"] != versions()["triton"]:
         reason = f"built for triton {manifest['triton']}, this is triton {versions()['triton']}"
     if reason is None and arch is None:
@@ -628,24 +714,42 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
     if reason is not None:  # compile just in time: for the live GPU if there is one, else for the bundle's target
         return _fallback(spec_obj, target or ("auto" if arch is not None else entry["target"]), directory, entry, reason, strict)
 
-    module_path = directory / entry["module"]["path"]
-    with loader.lock:
-        module = _import_compiled(f"attngen_bundle_{entry['name']}_{entry['target'].replace('-', '_')}_{entry['module']['sha256'][:12]}",
-                                  module_path, text)
     stats = BundleStats()
-    jit = _kernels(module)
-    unknown = sorted({k["kernel"] for k in entry["kernels"]} - set(jit))
-    if unknown:
-        raise BundleError(f"{where}: the manifest lists kernel {unknown[0]!r}, which the module does not define")
-    for fn_name, fn in jit.items():  # a kernel the build never saw launched gets no binaries: never compiled silently
-        binaries = {k["key"]: (k["triton_hash"], {fname: str(directory / f["path"]) for fname, f in k["files"].items()})
-                    for k in entry["kernels"] if k["kernel"] == fn_name}
-        _install(fn, binaries, where, strict, stats)
+    tag = f"{entry['name']}_{entry['target'].replace('-', '_')}"
+    module_path = directory / entry["module"]["path"]
+    module = _import_with_binaries(f"attngen_bundle_{tag}_{entry['module']['sha256'][:12]}", module_path, texts[entry["module"]["path"]],
+                                   entry["kernels"], directory, where, strict, stats)
     kern = runtime.Kernel(spec_obj, kernel_plan, source, module_path, module)
     kern.tuner = None  # `auto` tiles are not tuned from a bundle: it holds the derived tiles' binaries, others would compile
     kern.bundle = BundleInfo(directory, entry["name"], entry["target"], True, None, stats)
-    kern.generator = Choice("triton", "loaded from an ahead-of-time bundle, which holds the Triton generator's kernels")
+    if gluon is None:
+        kern.generator = Choice("triton", "loaded from an ahead-of-time bundle that holds only the Triton generator's kernels"
+                                + ("" if choice.gluon is None else f" (built before bundles held Gluon kernels; this attngen would take {choice.describe()})"))
+        return kern
+    kern.gluon_source = texts[gluon["module"]["path"]]
+    kern.gluon = _import_with_binaries(f"attngen_bundle_{tag}_gluon_{gluon['module']['sha256'][:12]}", directory / gluon["module"]["path"],
+                                       kern.gluon_source, gluon["kernels"], directory, where + " (Gluon)", strict, stats)
+    kern.generator = choice
     return kern
+
+
+def _import_with_binaries(name: str, path: Path, text: str, kernels: list[dict], directory: Path, where: str, strict: bool,
+                          stats: BundleStats) -> types.ModuleType:
+    """A bundled module, imported with real Triton kernels, each launching the bundle's binaries (see the
+    module doc). A kernel the build never saw launched gets no binaries: it is never compiled silently."""
+    from . import loader
+
+    with loader.lock:
+        module = _import_compiled(name, path, text)
+    jit = _kernels(module)
+    unknown = sorted({k["kernel"] for k in kernels} - set(jit))
+    if unknown:
+        raise BundleError(f"{where}: the manifest lists kernel {unknown[0]!r}, which the module does not define")
+    for fn_name, fn in jit.items():
+        binaries = {k["key"]: (k["triton_hash"], {fname: str(directory / f["path"]) for fname, f in k["files"].items()})
+                    for k in kernels if k["kernel"] == fn_name}
+        _install(fn, binaries, where, strict, stats)
+    return module
 
 
 def _fallback(spec, target, directory: Path, entry: dict | None, reason: str, strict: bool):

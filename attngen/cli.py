@@ -75,6 +75,11 @@ def cmd_build(args) -> int:
         kernels = f"{len(e['kernels'])} binaries for sm_{e['arch']}" if e["kernels"] else "no binaries (--no-binaries)"
         print(f"wrote {Path(args.output) / e['module']['path']}  (fwd {f['block_m']}x{f['block_n']}, {f['num_warps']} warps, "
               f"{f['num_stages']} stages; {e['plan']['loop_order']}) + {kernels}")
+        gluon = e.get("gluon")
+        if gluon is not None:
+            passes = " and ".join(p for p in ("forward", "backward") if gluon[p] == "gluon")
+            kernels = f"{len(gluon['kernels'])} binaries for sm_{e['arch']}" if gluon["kernels"] else "no binaries (--no-binaries)"
+            print(f"wrote {Path(args.output) / gluon['module']['path']}  (the Gluon generator's {passes}) + {kernels}")
     print(f"bundle {args.output}: {len(manifest['entries'])} spec/target entries; load it with attngen.load({str(args.output)!r}"
           f"{', name' if len({e['name'] for e in manifest['entries']}) > 1 else ''})")
     return 0

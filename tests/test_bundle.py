@@ -90,11 +90,11 @@ def test_manifest_validates(built, tmp_path):
     m = bundle.read_manifest(out)
     assert m["format"] == bundle.FORMAT and m["triton"] == "3.6.0" and m["torch"] == importlib.metadata.version("torch")
     for e in m["entries"]:
-        text, reason = bundle._verify_files(out, e)
+        texts, reason = bundle._verify_files(out, e)
         assert reason is None, reason
         spec = attngen.load_spec(e["spec"], "manifest")
         assert spec_hash(spec) == e["spec_hash"]
-        assert build_source(plan(spec, e["target"]))[1] == text
+        assert build_source(plan(spec, e["target"]))[1] == texts[e["module"]["path"]]
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     m["entries"][0]["module"]["path"] = "../outside.py"
@@ -284,5 +284,128 @@ def test_cli_build_prints_what_it_wrote(tmp_path, capsys):
     assert main(["build", str(ROOT / "specs" / "dense.attn"), "--target", "h100", "-o", str(tmp_path / "b"), "--no-binaries", "-q"]) == 0
     out = capsys.readouterr().out
     assert f"wrote {tmp_path / 'b' / 'dense_h100.py'}" in out and "no binaries (--no-binaries)" in out
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["dense_h100.py", "manifest.json"]
+    assert f"wrote {tmp_path / 'b' / 'dense_h100_gluon.py'}  (the Gluon generator's forward) + no binaries" in out
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["dense_h100.py", "dense_h100_gluon.py", "manifest.json"]
 
+
+
+# A spec whose forward and backward are both the Gluon generator's on the H100 (backend = gluon, deterministic =
+# false); fp16 for the interpreter fallbacks.
+GLUON = ("attention causal_gluon {\n    head_dim = 128\n    dtype = fp16\n    mask = q_idx >= kv_idx\n"
+         "    backend = gluon\n    deterministic = false\n}\n")
+
+
+@pytest.fixture(scope="module")
+def built_gluon(tmp_path_factory):
+    """GLUON for the H100, compiled once for this module (about 40 s on 2 cores)."""
+    root = tmp_path_factory.mktemp("bundle_gluon")
+    (root / "causal_gluon.attn").write_text(GLUON)
+    out = root / "causal_gluon"
+    manifest = bundle.build([root / "causal_gluon.attn"], ["h100"], out, jobs=2, progress=False)
+    return out, manifest
+
+
+@pytest.mark.slow
+def test_bundles_carry_the_gluon_generators_kernels(built_gluon):
+    """The passes the Gluon generator renders for the spec on the target (here both) are in the bundle: its module,
+    which this attngen renders byte for byte from the spec, and sm_90 binaries of its kernels (the forward, the
+    backward and its pre-pass), beside the Triton module and kernels (the CPU, other GPUs, input gradients)."""
+    from attngen.codegen.gluon import build_source, choose
+    from attngen.plan import plan
+
+    out, manifest = built_gluon
+    (e,) = manifest["entries"]
+    g = e["gluon"]
+    assert (g["forward"], g["backward"]) == ("gluon", "gluon") and g["module"]["path"] == "causal_gluon_h100_gluon.py"
+    assert {k["kernel"] for k in g["kernels"]} == {"_attn_fwd", "_attn_bwd", "_bwd_delta"}
+    assert {k["kernel"] for k in e["kernels"]} == {"_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+    texts, reason = bundle._verify_files(out, e)
+    assert reason is None and set(texts) == {e["module"]["path"], g["module"]["path"]}
+    spec = attngen.load_spec(e["spec"], "manifest")
+    assert build_source(choose(spec, plan(spec, "h100")).gluon)[1] == texts[g["module"]["path"]]
+    for k in g["kernels"]:
+        cubin = (out / k["files"][f"{k['kernel']}.cubin"]["path"]).read_bytes()
+        assert cubin[:4] == b"\x7fELF" and struct.unpack_from("<I", cubin, 48)[0] & 0xFF == 90
+        assert k["files"][f"{k['kernel']}.cubin"]["path"].startswith("causal_gluon_h100/gluon_")
+        meta = json.loads((out / k["files"][f"{k['kernel']}.json"]["path"]).read_text())
+        assert meta["name"] == k["kernel"] and meta["shared"] == k["shared"] <= 227 * 1024
+    ptx = (out / next(k for k in g["kernels"] if k["kernel"] == "_attn_bwd")["files"]["_attn_bwd.ptx"]["path"]).read_text()
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+
+
+@pytest.mark.slow
+def test_the_bundle_lookup_returns_the_gluon_binaries(built_gluon):
+    """As for the Triton kernels: the JIT's specialization of a Gluon launch finds the bundle's binary."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from attngen.codegen.gluon import choose
+    from attngen.plan import plan
+
+    out, manifest = built_gluon
+    (e,) = manifest["entries"]
+    g = e["gluon"]
+    spec = attngen.load_spec(e["spec"], "manifest")
+    p = plan(spec, "h100")
+    module = bundle._import_compiled("test_bundle_gluon_lookup", out / g["module"]["path"], (out / g["module"]["path"]).read_text())
+    launches = bundle.record_gluon_launches(p, choose(spec, p), module, 90)
+    assert sorted(launch.key for launch in launches) == sorted(k["key"] for k in g["kernels"])
+    stats = bundle.BundleStats()
+    for launch in launches:
+        k = next(k for k in g["kernels"] if k["key"] == launch.key)
+        lookup = bundle._PrebuiltCompile("test", {k["key"]: (k["triton_hash"], {n: str(out / f["path"]) for n, f in k["files"].items()})},
+                                         True, None, stats)
+        compiled = lookup(GluonASTSource(getattr(module, launch.kernel), launch.signature, launch.constexprs, launch.attrs), options=launch.options)
+        assert compiled.asm["cubin"] == (out / k["files"][f"{launch.kernel}.cubin"]["path"]).read_bytes()
+    assert stats.loaded == 3
+
+
+@pytest.mark.slow
+@NO_GPU
+def test_a_gluon_bundle_is_checked_like_the_rest(built_gluon, tmp_path):
+    """The Gluon module and binaries are digested like the others; a bundle whose choice of generators differs from
+    this attngen's, or whose Gluon module this attngen would not render, is not used."""
+    where = _copy(built_gluon[0], tmp_path)
+    with pytest.warns(attngen.BundleWarning, match="no CUDA device is visible"):  # intact: every check but the device
+        kern = attngen.load(where)
+    assert kern.bundle.used is False
+    path = where / bundle.MANIFEST
+    m = json.loads(path.read_text())
+    g = m["entries"][0]["gluon"]
+    m["entries"][0]["gluon"]["backward"] = "triton"
+    path.write_text(json.dumps(m))
+    with pytest.raises(attngen.BundleError, match="the bundle renders the forward with gluon and the backward with triton; this attngen chooses gluon forward"):
+        attngen.load(where, strict=True)
+    g["backward"] = "gluon"
+    module = where / g["module"]["path"]
+    text = module.read_text() + "# edited\n"
+    module.write_text(text)
+    with pytest.raises(attngen.BundleError, match="causal_gluon_h100_gluon.py does not match its sha256"):
+        attngen.load(where, strict=True)
+    g["module"]["sha256"] = bundle._sha256(text.encode())
+    path.write_text(json.dumps(m))
+    with pytest.raises(attngen.BundleError, match="generates a different Gluon module for the spec"):
+        attngen.load(where, strict=True)
+    m["entries"][0]["gluon"] = {"module": "x"}
+    path.write_text(json.dumps(m))
+    with pytest.raises(attngen.BundleError, match="malformed 'gluon' section"):
+        attngen.load(where)
+
+
+@pytest.mark.slow
+def test_a_gluon_bundle_launches_with_no_compilation(built_gluon, device):
+    """On the H100: both passes run the bundle's Gluon binaries (none compiled) and match the float64 reference."""
+    if device != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the bundle's Gluon kernels are sm_90 binaries: an H100 is needed to launch them")
+    kern = attngen.load(built_gluon[0], strict=True)
+    assert kern.bundle.used and kern.gluon is not None and kern.generator.backward == "gluon"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.float16, generator=gen) for _ in range(4))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = kern(*leaves)
+    grads = torch.autograd.grad(out, leaves, do)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attngen.reference(kern.spec, *wide, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert torch.isfinite(got).all() and (got.double() - want).abs().max().item() <= 1e-2 * max(1.0, want.abs().max().item())
+    assert kern.bundle.stats.compiled == 0 and kern.bundle.stats.loaded == 3  # _attn_fwd, _bwd_delta, _attn_bwd (Gluon)
