@@ -219,26 +219,32 @@ def _unique(sink: list[_Launch]) -> list[_Launch]:
     return list(unique.values())
 
 
+def _calls(spec):
+    """(shape, q, k, v, inputs) of the recorded calls: CPU tensors of each of SHAPES, with the spec's inputs."""
+    import torch
+
+    from .verify import _TORCH, make_inputs
+
+    dtype = _TORCH[spec.dtype.value]
+    for B, Hq, Hkv, Nq, Nk in SHAPES:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, h, n, spec.head_dim, generator=gen).to(dtype) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+        yield (B, Hq, Hkv, Nq, Nk), q, k, v, make_inputs(spec, B, Hq, Nq, Nk, "cpu", gen)
+
+
 def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
     """Every distinct specialization the module's launchers ask for (see the module doc), for sm_`arch`."""
     import torch
 
     from .runtime import Kernel, _Dims
-    from .verify import _TORCH, make_inputs
 
     spec = kernel_plan.spec
     kern = Kernel(spec, kernel_plan, "", Path(module.__file__), module)
-    dtype = _TORCH[spec.dtype.value]
     with _Recording(module, arch) as sink:
-        for B, Hq, Hkv, Nq, Nk in SHAPES:
-            gen = torch.Generator().manual_seed(0)
-            q = torch.randn(B, Hq, Nq, spec.head_dim, generator=gen).to(dtype)
-            k = torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(dtype)
-            v = torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(dtype)
-            inputs = make_inputs(spec, B, Hq, Nq, Nk, "cpu", gen)
+        for shape, q, k, v, inputs in _calls(spec):
             block_mask = inputs.pop("block_mask", None)
             tensors = [inputs[d.name] for d in spec.inputs]
-            blocks = kern._blocks(block_mask, _Dims(B, Hq, Hkv, Nq, Nk), q.device)
+            blocks = kern._blocks(block_mask, _Dims(*shape), q.device)
             # dropout on and off (evaluation); seeds of 31 and 64 bits are different argument types
             for p, seed in ([(spec.dropout, 1), (spec.dropout, 2**40), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
                 extra = blocks | (kern._dropout(p, seed) if p is not None else {})
@@ -255,17 +261,9 @@ def record_gluon_launches(kernel_plan, choice, module, arch: int) -> list[_Launc
     block shapes, so the shapes add nothing but a check that they agree."""
     import torch
 
-    from .verify import _TORCH, make_inputs
-
     spec = kernel_plan.spec
-    dtype = _TORCH[spec.dtype.value]
     with _Recording(module, arch) as sink:
-        for B, Hq, Hkv, Nq, Nk in SHAPES:
-            gen = torch.Generator().manual_seed(0)
-            q = torch.randn(B, Hq, Nq, spec.head_dim, generator=gen).to(dtype)
-            k = torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(dtype)
-            v = torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(dtype)
-            inputs = make_inputs(spec, B, Hq, Nq, Nk, "cpu", gen)
+        for _, q, k, v, inputs in _calls(spec):
             tensors = [inputs[d.name] for d in spec.inputs]
             o, lse = module.attention_forward(q, k, v, *tensors)
             if choice.backward == "gluon":
