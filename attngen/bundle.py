@@ -6,7 +6,7 @@
 A bundle is a directory: `manifest.json`, one readable module per (spec, target) (`causal_h100.py`, the
 same file the JIT path caches) and the binaries of its kernels (`causal_h100/<kernel>-<hash>/` with the
 .cubin, Triton's metadata .json and the .ptx). Where the spec's forward (or backward) is the Gluon generator's
-on that target (attngen/codegen/gluon/plan.py decides, as for a just-in-time compile), the entry also holds
+on that target (attngen/codegen/gluon/choice.py decides, as for a just-in-time compile), the entry also holds
 the Gluon module (`causal_h100_gluon.py`) and its kernels' binaries, under the entry's "gluon" key. Paths in
 the manifest are relative: copy the directory anywhere. Every file's sha256 is in the manifest and is
 checked on load.

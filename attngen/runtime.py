@@ -73,8 +73,9 @@ class Kernel:
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
         self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _run_on_cpu
-        # The generator of the forward (attngen/codegen/gluon/plan.py): with Gluon, `gluon` is its module, which
-        # runs on CUDA tensors (sm_90); the Triton module runs the backward, and the forward on the CPU.
+        # The generators of the passes (attngen/codegen/gluon/choice.py): with Gluon, `gluon` is its module, which
+        # runs on CUDA tensors (sm_90) the passes the choice gives it; the Triton module runs the others, and
+        # everything on the CPU and on other GPUs.
         self.generator = Choice("triton", "built without a choice of generator")
         self.gluon: ModuleType | None = None
         self.gluon_source: str | None = None
@@ -400,7 +401,7 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
     prebuilt binaries instead). `spec` is a path, spec text, or a Spec; `target` overrides the spec's target (a
     name from `attngen targets`, or "auto"). `classify=False` builds kernels that visit and mask every tile (a
     baseline to measure tile classification against). `backend` overrides the spec's: auto, triton or gluon
-    (the generator of the forward on sm_90; attngen/codegen/gluon/plan.py). `deterministic` overrides the spec's
+    (the generator of each pass on sm_90; attngen/codegen/gluon/choice.py). `deterministic` overrides the spec's
     setting (False lets the backward add dQ in no fixed order where that is faster)."""
     spec_obj = read_spec(spec)
     if deterministic is not None:
