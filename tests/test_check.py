@@ -105,12 +105,15 @@ BAD = [
 ]
 
 
-def test_zero_divisor_error_points_at_the_divisor():
+@pytest.mark.parametrize("setting, column", [("mask = q_idx % (2 - 2) == 0", 19), ("mask = q_idx // (2 - 2) == 0", 20),
+                                             ("score = score / (2.0 - 2.0)", 20)])
+def test_zero_divisor_error_points_at_the_divisor(setting, column):
     with pytest.raises(SpecError) as info:
-        load_spec("attention t {\n  head_dim = 64\n  mask = q_idx % (2 - 2) == 0\n}", "x.attn")
-    assert str(info.value).startswith("x.attn:3:19: error: division by zero"), str(info.value)
+        load_spec(f"attention t {{\n  head_dim = 64\n  {setting}\n}}", "x.attn")
+    assert str(info.value).startswith(f"x.attn:3:{column}: error: division by zero"), str(info.value)
     source, carets = str(info.value).splitlines()[1:]
-    assert source[carets.index("^"):len(carets)] == "2 - 2"  # the divisor, inside its parentheses
+    divisor = setting[setting.index("(") + 1:setting.index(")")]
+    assert source[carets.index("^"):len(carets)] == divisor  # the divisor, inside its parentheses
 
 
 @pytest.mark.parametrize("text, message", BAD, ids=[m for _, m in BAD])

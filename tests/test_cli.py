@@ -122,6 +122,52 @@ def test_check_reports_each_case_before_running_it(monkeypatch, capsys):
     assert "all passed" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a process of its own (5 s)
+def test_check_prints_only_its_progress_on_stderr():
+    """Rows that keep no key (key padding with length 0; kv_outer's padding lanes) have lse = log2(0) = -inf by
+    design: `attngen check` must not show numpy's warnings about it, as it did (issue 15, item 8)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # check sets it itself for --device cpu
+    run = subprocess.run([sys.executable, "-m", "attngen", "check", "specs/key_padding.attn", "specs/causal_fa1.attn", "--quick"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stderr.splitlines()
+    assert len(lines) == 6 and all(line.startswith("attngen check [") for line in lines), run.stderr[-2000:]
+
+
+def test_readme_set_up_is_what_ci_runs_and_says_how_to_get_the_cpu_build():
+    """The README's two set-up commands are the ones .ci/run executes (in a fresh venv), and the set-up says to
+    make a venv and how to get torch's CPU build where pip would otherwise fetch the CUDA one (issue 15, item 7)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Set-up\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = [line for line in blocks[0].splitlines() if line.strip()]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert commands == ['pip install torch==2.13.0 ".[test]" && attngen build specs/causal.attn --target h100', "python -m pytest -n auto"]
+    assert commands[0] in ci and commands[1] in ci
+    assert "python3 -m venv" in "\n".join(ci) and "python -m venv .venv && . .venv/bin/activate" in section
+    assert any("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in b for b in blocks[1:])
+
+
+@pytest.mark.slow  # two pytest processes collecting the suite (10 s)
+def test_the_quick_subset_leaves_out_the_slow_tests():
+    """`-m "not slow"` (README, Set-up) drops what compiles for sm_90, starts processes or runs long, and only that
+    (issue 15, item 10); an unregistered marker is an error (--strict-markers), so a misspelt `slow` cannot slip
+    a test into the quick subset."""
+    def collect(*args):
+        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return {line for line in run.stdout.splitlines() if "::" in line}
+
+    every, quick = collect(), collect("-m", "not slow")
+    slow = every - quick
+    assert quick < every and len(slow) >= 20
+    for name in ("test_gluon.py::test_every_taken_spec_compiles_for_sm90", "test_bundle.py::test_build_writes_cubins_for_each_target",
+                 "test_cli.py::test_check_prints_only_its_progress_on_stderr"):
+        assert any(name in t for t in slow) and not any(name in t for t in quick), name
+    assert "--strict-markers" in (ROOT / "pyproject.toml").read_text()
+
+
 def _synopsis() -> dict[str, str]:
     """The README's command-line synopsis: each line's command (or --version) -> the line, comment dropped."""
     text = (ROOT / "README.md").read_text()
