@@ -1,0 +1,88 @@
+"""Which code generator renders each pass of a spec on a target: the Gluon generator where it can render the spec
+and, under `backend = auto`, where it was measured faster than the Triton generator; the reasons are what
+`attngen plan` prints. Above plan.py (what the generator can take, its sizes) and render.py (whether every piece
+of expression code has a Gluon counterpart)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import PlanError
+from ...plan import KernelPlan
+from ...spec import Backend, Spec
+from .lower import Untranslatable
+from .plan import ARCH, GluonPlan, plan_gluon, unsupported
+from .render import context
+
+# What `auto` takes: on the H100 (BENCHMARKS.md, 2026-11-24) the Gluon forward was 1.25-1.46x the Triton generator's
+# at d=128 (dense, causal; sliding window 1.17-1.24x with the version before), but at d=64 0.90-0.93x at N=1024 (1.09-1.16x
+# from 4096) and 0.87-1.06x with softcap's score modification (its tanh is the bottleneck): those stay with Triton
+# unless backend = gluon.
+AUTO_HEAD_DIMS = (128,)
+
+
+@dataclass(frozen=True)
+class Choice:
+    generator: str  # of the forward: "gluon" or "triton"
+    reason: str  # why (printed by `attngen plan`)
+    gluon: GluonPlan | None = None
+    backward: str = "triton"  # the generator of the backward ("gluon" only with a Gluon forward: one module)
+    backward_reason: str = ""
+
+    def describe(self) -> str:
+        """`attngen plan`'s line: which generator renders each pass, and why."""
+        line = f"{self.generator} forward ({self.reason})"
+        if self.generator == "gluon":
+            line += f"; {self.backward} backward ({self.backward_reason})"
+        return line
+
+
+def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choice:
+    """Which generator renders the forward: `backend` (the compile argument) or the spec's setting. auto takes
+    Gluon where it supports the spec; gluon asked for where it cannot is a PlanError with the reasons."""
+    backend = backend or spec.backend
+    if backend is Backend.TRITON:
+        return Choice("triton", "backend = triton")
+    why = unsupported(spec, base)
+    if why:
+        if backend is Backend.GLUON:
+            raise PlanError(f"{spec.name}: backend = gluon, but the Gluon generator cannot render it: {'; '.join(why)}")
+        return Choice("triton", "the Gluon generator does not take it: " + "; ".join(why))
+    gp = plan_gluon(base)
+    try:
+        context(gp)  # every piece of expression code has a Gluon counterpart (lower.NAMES)
+    except Untranslatable as err:
+        if backend is Backend.GLUON:
+            raise PlanError(f"{spec.name}: backend = gluon, but the Gluon generator cannot render it: {err}") from None
+        return Choice("triton", f"the Gluon generator does not take it: {err}")
+    if backend is Backend.AUTO:
+        slower = slower_than_triton(spec)
+        if slower:
+            return Choice("triton", f"auto: the Gluon forward measured slower here ({slower}); backend = gluon takes it anyway")
+    return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
+                  *_choose_backward(spec, backend))
+
+
+# The Gluon backward against the Triton generator's on the H100 (raw launchers, same inputs, bf16, N = 4096 and
+# 16384, dense and causal; BENCHMARKS.md, 2026-11-25): 0.74-0.81x at head_dim 128, 0.66-0.78x at 64.
+BACKWARD_MEASURED = "0.66-0.81x the Triton backward on the H100"
+
+
+def _choose_backward(spec: Spec, backend: Backend) -> tuple[str, str]:
+    """The backward of a spec whose forward is Gluon's. Gluon's adds dQ across key tiles with atomics, in no
+    fixed order, and was measured slower than the Triton generator's: it is taken only when asked for twice,
+    backend = gluon and deterministic = false. Otherwise the Triton generator's, whose gradients are
+    bit-reproducible."""
+    if spec.deterministic:
+        return "triton", "deterministic: the Gluon backward adds dQ in no fixed order (deterministic = false allows it)"
+    if backend is not Backend.GLUON:
+        return "triton", f"auto: the Gluon backward measured slower ({BACKWARD_MEASURED}); backend = gluon takes it anyway"
+    return "gluon", f"backend = gluon, deterministic = false: dQ added by atomics, its last bits may vary between runs ({BACKWARD_MEASURED})"
+
+
+def slower_than_triton(spec: Spec) -> str | None:
+    """Why `auto` keeps a supported spec on the Triton generator (measured on the H100), or None."""
+    if spec.head_dim not in AUTO_HEAD_DIMS:
+        return f"head_dim {spec.head_dim}: 0.90-0.93x the Triton forward at N=1024 on the H100 (1.09-1.16x from 4096)"
+    if spec.score is not None:
+        return "a score modification: 0.87-1.06x the Triton forward on the H100 (softcap)"
+    return None
