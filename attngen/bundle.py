@@ -244,10 +244,9 @@ def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
         for shape, q, k, v, inputs in _calls(spec):
             block_mask = inputs.pop("block_mask", None)
             tensors = [inputs[d.name] for d in spec.inputs]
-            blocks = kern._blocks(block_mask, _Dims(*shape), q.device)
             # dropout on and off (evaluation); seeds of 31 and 64 bits are different argument types
             for p, seed in ([(spec.dropout, 1), (spec.dropout, 2**40), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
-                extra = blocks | (kern._dropout(p, seed) if p is not None else {})
+                extra = kern._extra(*kern._dropout_args(p, seed), block_mask, _Dims(*shape), q.device)
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra)
                 for input_grads in ([False, True] if kernel_plan.read_grads else [False]):
                     grads = {"input_grads": True} if input_grads else {}

@@ -12,6 +12,7 @@ from types import ModuleType
 
 import numpy as np
 import torch
+from torch import Tensor  # at module scope: the custom ops' annotations are read as strings
 
 from .blocks import block_lists
 from .check import read_spec
@@ -72,7 +73,9 @@ class Kernel:
         # `auto` tiles (attngen/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
-        self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _run_on_cpu
+        self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _twin
+        # The torch.library ops of compiled calls (about 2 ms to register; torch.compile cannot trace a registration)
+        self._custom_ops = _Ops(self)
         # The generators of the passes (attngen/codegen/gluon/choice.py): with Gluon, `gluon` is its module, which
         # runs on CUDA tensors (sm_90) the passes the choice gives it; the Triton module runs the others, and
         # everything on the CPU and on other GPUs.
@@ -84,7 +87,7 @@ class Kernel:
         return f"<attngen.Kernel {self.spec.name} target={self.plan.target.name} file={self.path}>"
 
     # -- call-time checks
-    def _check(self, q, k, v, inputs: dict) -> tuple[_Dims, list[torch.Tensor]]:
+    def _check(self, q, k, v, inputs: dict, device_check: bool = True) -> tuple[_Dims, list[torch.Tensor]]:
         spec = self.spec
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -111,7 +114,8 @@ class Kernel:
         for what, n in (("batch size", B), ("number of query heads", Hq), ("query length", Nq), ("key length", Nk)):
             if n >= MAX_EXTENT:  # the integer analysis of the spec's expressions (ranges.py) assumes less
                 raise InputError(f"the {what} is {n}; attngen supports at most {MAX_EXTENT - 1} (2**30 - 1)")
-        check_device(q.device, self.module)
+        if device_check:  # (under torch.compile, where it cannot be traced, the forward checks it when it runs)
+            check_device(q.device, self.module)
         dims = _Dims(B, Hq, Hkv, Nq, Nk)
 
         declared = [d.name for d in spec.inputs]
@@ -159,22 +163,68 @@ class Kernel:
                  **inputs: torch.Tensor):
         """O (and the natural-log row log-sum-exp with return_lse). Dropout: `dropout_p` overrides the spec's
         `dropout` (0.0 at evaluation); `seed` (default: drawn from torch's CPU generator, so torch.manual_seed
-        makes runs repeatable) fixes the pattern, which attngen.dropout_mask gives exactly. `block_mask`:
-        the kept blocks of a `sparsity = runtime` spec (see attngen.block_mask_from)."""
-        args = (q, k, v, return_lse, dropout_p, seed, block_mask, inputs)
-        if isinstance(q, torch.Tensor) and q.device.type == "cpu":
-            return _call_interpreted(self, *args)
-        return self._call(*args)
+        makes runs repeatable, under torch.compile too) fixes the pattern, which attngen.dropout_mask gives
+        exactly. `block_mask`: the kept blocks of a `sparsity = runtime` spec (see attngen.block_mask_from).
 
-    def _call(self, q, k, v, return_lse, dropout_p, seed, block_mask, inputs):
-        dims, tensors = self._check(q, k, v, inputs)
-        if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
-            return self._run_on_cpu(q, k, v, return_lse, dropout_p, seed, block_mask, inputs)
-        extra = self._dropout(dropout_p, seed) | self._blocks(block_mask, dims, q.device)
-        o, lse2 = _AttentionFunction.apply(self, dims, extra, q, k, v, *tensors)
+        Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of custom
+        ops (forward, backward) named after the kernel, so a compiled model calls it with no graph break."""
+        compiling = torch.compiler.is_compiling()
+        dims, tensors = self._check(q, k, v, inputs, device_check=not compiling)
+        p, seed_t = self._dropout_args(dropout_p, seed)
+        self._check_block_mask(block_mask)
+        if compiling:
+            o, lse2 = self._ops().forward(q, k, v, tensors, p, seed_t, block_mask)
+        else:
+            o, lse2 = _AttentionFunction.apply(self, p, seed_t, block_mask, q, k, v, *tensors)
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
+
+    def _forward_impl(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask):
+        """O and the lse in log2 units: what every call runs, eager or compiled (the tensors are checked)."""
+        dims = _dims_of(q, k)
+        if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
+            return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+        if q.device.type == "cpu":
+            check_device(q.device, self.module)
+            if self.spec.dtype is DType.BF16:
+                o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask)
+                return o.to(torch.bfloat16), lse
+        extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
+        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+            if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
+                return self.gluon.attention_forward(q, k, v, *inputs)
+            return self._triton_forward(dims, extra, q, k, v, inputs)
+
+    def _backward_impl(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask,
+                       input_grads: bool):
+        """(dQ, dK, dV, [the gradient of each float input, or an empty tensor unless input_grads]). `dlse` (log2
+        units, or None) is the gradient reaching the lse."""
+        dims = _dims_of(q, k)
+        floats = [t for t in inputs if t.is_floating_point()]
+        if dims.empty:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), [torch.zeros_like(t) if input_grads else t.new_empty(0) for t in floats]
+        if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
+            dq, dk, dv, grads = self._twin()._backward_impl(*_up(q, k, v, o), lse, *_up(do), dlse, _up(*inputs), dropout_p, seed,
+                                                             block_mask, input_grads)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
+        reads = self.plan.read_grads
+        if self.generator.backward == "gluon" and not input_grads and _is_sm90(q.device):
+            # the Gluon generator's backward (backend = gluon, deterministic = false); input gradients are the Triton kernels'
+            dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
+            return dq, dk, dv, [t.new_empty(0) for t in floats]
+        extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
+        if input_grads and reads:
+            extra["input_grads"] = True
+        flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
+        backward = self.module.attention_backward
+        extra |= self._tiles("bwd", dims, flags, q.device, lambda t: backward(q, k, v, o, lse, do, dlse, *inputs, **extra, tiles=t))
+        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+            dq, dk, dv, *terms = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)  # with input_grads: the terms too
+        if not input_grads:
+            return dq, dk, dv, [t.new_empty(0) for t in floats]
+        grads = _reduce_input_grads(self.spec, dims, dict(zip((d.name for d in self.spec.inputs), inputs)), reads, terms[0] if terms else [])
+        return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
 
     def _triton_forward(self, dims: _Dims, extra: dict, q, k, v, inputs):
         """The Triton generator's forward: O and the lse in log2 units, with the tuned tiles where the spec says auto."""
@@ -182,31 +232,38 @@ class Kernel:
         tiles = self._tiles("fwd", dims, flags, q.device, lambda t: self.module.attention_forward(q, k, v, *inputs, **extra, tiles=t))
         return self.module.attention_forward(q, k, v, *inputs, **extra, **tiles)
 
-    def _run_on_cpu(self, q, k, v, return_lse, dropout_p, seed, block_mask, inputs):
-        """A bf16 call on CPU tensors. Triton's interpreter stores bf16 as raw 16-bit integers and has no bf16
-        arithmetic (its products of bf16 tiles are products of those integers), so the call runs this spec's
-        float32 kernels on float32 copies of q, k, v and of bf16 inputs, and rounds the output to bf16. Autograd
-        flows through the conversions, so the gradients come back in bf16 too. Every other part of the call
-        (masks, dropout pattern, block lists, lse) is the same: only the element type differs."""
+    def _twin(self) -> Kernel:
+        """A bf16 spec's float32 kernels, which run its calls on CPU tensors. Triton's interpreter stores bf16 as raw
+        16-bit integers and has no bf16 arithmetic (its products of bf16 tiles are products of those integers), so
+        a call runs on float32 copies of q, k, v and of bf16 inputs, and its results are rounded to bf16. Every
+        other part of the call (masks, dropout pattern, block lists, lse) is the same: only the element type
+        differs; the backward reads the rounded O, as on a GPU."""
         if self._cpu_twin is None:
             self._cpu_twin = _float32_twin(self)
-        up = lambda t: t.float() if t.dtype == torch.bfloat16 else t  # noqa: E731
-        out = self._cpu_twin(up(q), up(k), up(v), return_lse=return_lse, dropout_p=dropout_p, seed=seed,
-                             block_mask=block_mask, **{name: up(t) for name, t in inputs.items()})
-        if return_lse:
-            return out[0].to(torch.bfloat16), out[1]
-        return out.to(torch.bfloat16)
+        return self._cpu_twin
+
+    def _ops(self) -> _Ops:
+        """This kernel's custom ops: what a call under torch.compile records (see _Ops)."""
+        return self._custom_ops
+
+    def _check_block_mask(self, block_mask) -> None:
+        spec = self.spec
+        if spec.sparsity != "runtime" and block_mask is not None:
+            raise InputError(f"block_mask given, but the spec {spec.name!r} does not say `sparsity = runtime`")
+        if spec.sparsity == "runtime" and block_mask is None:
+            raise InputError(f"the spec {spec.name!r} has sparsity = runtime: pass block_mask= (bool, (B or 1, H or 1, "
+                             f"ceil(Nq / {spec.sparse_block}), ceil(Nk / {spec.sparse_block}))), e.g. from attngen.block_mask_from")
+
+    def _extra(self, dropout_p: float, seed: torch.Tensor | None, block_mask, dims: _Dims, device: torch.device) -> dict:
+        """The launchers' keyword arguments for dropout (dropout_p, seed) and runtime sparsity (blocks)."""
+        extra = {} if seed is None else {"dropout_p": dropout_p, "seed": int(seed.item())}
+        return extra | self._blocks(block_mask, dims, device)
 
     def _blocks(self, block_mask, dims: _Dims, device: torch.device) -> dict:
         """The block lists keyword of the generated launchers ({} for a spec without runtime sparsity)."""
         spec = self.spec
         if spec.sparsity != "runtime":
-            if block_mask is not None:
-                raise InputError(f"block_mask given, but the spec {spec.name!r} does not say `sparsity = runtime`")
             return {}
-        if block_mask is None:
-            raise InputError(f"the spec {spec.name!r} has sparsity = runtime: pass block_mask= (bool, (B or 1, H or 1, "
-                             f"ceil(Nq / {spec.sparse_block}), ceil(Nk / {spec.sparse_block}))), e.g. from attngen.block_mask_from")
         # The lists of the last mask are kept: a call with the same tensor object, unmodified since (its version
         # counter), and the same shapes reuses them instead of converting again (0.15-0.34 ms at N = 8192 on the H100).
         shapes = (dims.batch, dims.heads, dims.q_len, dims.kv_len, device)
@@ -217,21 +274,23 @@ class Kernel:
         self._last_blocks = (weakref.ref(block_mask), block_mask._version, shapes, lists)
         return {"blocks": lists}
 
-    def _dropout(self, dropout_p: float | None, seed: int | None) -> dict:
-        """The dropout keyword arguments of the generated launchers ({} for a spec without dropout)."""
+    def _dropout_args(self, dropout_p: float | None, seed: int | None) -> tuple[float, torch.Tensor | None]:
+        """(the dropout probability, the seed as a one-element int64 CPU tensor); (0.0, None) for a spec without
+        dropout. The default seed is drawn from torch's CPU generator, a tensor op that torch.compile records, so
+        a compiled model draws a new seed per call as an eager one does."""
         if self.spec.dropout == 0.0:
             if dropout_p:
                 raise InputError(f"dropout_p={dropout_p}, but the spec {self.spec.name!r} has no dropout: set `dropout = p` in "
                                  f"the spec (the dropout path is compiled only then)")
-            return {}
+            return 0.0, None
         p = self.spec.dropout if dropout_p is None else dropout_p
         if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
             raise InputError(f"dropout_p must be a probability in [0, 1), got {p!r}")
         if seed is None:
-            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-        elif not isinstance(seed, int) or not 0 <= seed < 2**63:
+            return float(p), torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
             raise InputError(f"seed must be a non-negative integer below 2**63, got {seed!r}")
-        return {"dropout_p": float(p), "seed": seed}
+        return float(p), torch.tensor([seed], dtype=torch.int64)
 
 
     def _tiles(self, phase: str, dims: _Dims, flags: tuple[str, ...], device: torch.device, run) -> dict:
@@ -244,15 +303,6 @@ class Kernel:
         name = tune_bucket(phase, gpu, dims.batch * dims.heads, dims.q_len, dims.kv_len, dims.heads // dims.kv_heads, flags)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         return {"tiles": self.tuner.tiles(phase, name, run, sync)}
-
-
-@torch.compiler.disable
-def _call_interpreted(kernel: Kernel, *args):
-    """A call on CPU tensors. Triton's interpreter runs the kernels as numpy code, which torch.compile cannot trace
-    (it failed with KeyError(torch.uint64) on the interpreter's pointer arithmetic): under torch.compile this call
-    runs eagerly, a graph break."""
-    with _interpreter_errstate():
-        return kernel._call(*args)
 
 
 def _interpreter_errstate():
@@ -288,52 +338,107 @@ def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
     return found
 
 
+def _dims_of(q: torch.Tensor, k: torch.Tensor) -> _Dims:
+    return _Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+
+
+def _up(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """bf16 tensors as float32 (the CPU path of bf16 specs, see Kernel._twin); the others as they are."""
+    return [t.float() if t.dtype == torch.bfloat16 else t for t in tensors]
+
+
+def _as_input_grads(inputs, grads: list, wanted) -> tuple:
+    """One entry per input: the gradient of each float input that `wanted` says needs one (grads holds one per
+    float input, in order), None for the rest."""
+    it = iter(grads)
+    return tuple(next(it) if t.is_floating_point() else None for t in inputs) if any(wanted) else (None,) * len(inputs)
+
+
 class _AttentionFunction(torch.autograd.Function):
+    """An eager call: a few microseconds of dispatch (a torch.library custom op with autograd cost ~55 us more per
+    call on the 2-core CPU machine, so the ops serve torch.compile only; both run Kernel._forward_impl and
+    _backward_impl)."""
+
     @staticmethod
-    def forward(ctx, kernel: Kernel, dims: _Dims, extra: dict, q, k, v, *inputs):
-        # extra: the launchers' keyword arguments for dropout (dropout_p, seed) and runtime sparsity (blocks)
+    def forward(ctx, kernel: Kernel, dropout_p: float, seed, block_mask, q, k, v, *inputs):
         ctx.set_materialize_grads(False)
-        if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
-            o = q.new_zeros(q.shape)
-            lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
-        else:
-            if kernel.gluon is not None and _is_sm90(q.device):  # the Gluon generator's forward
-                o, lse = kernel.gluon.attention_forward(q, k, v, *inputs)
-            else:
-                o, lse = kernel._triton_forward(dims, extra, q, k, v, inputs)
-        ctx.kernel = kernel
-        ctx.extra = extra
-        ctx.dims = dims
+        o, lse = kernel._forward_impl(q, k, v, inputs, dropout_p, seed, block_mask)
+        ctx.kernel, ctx.dropout_p, ctx.seed, ctx.block_mask = kernel, dropout_p, seed, block_mask
         ctx.save_for_backward(q, k, v, o, lse, *inputs)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, *inputs = ctx.saved_tensors
-        dims = ctx.dims
-        if (do is None and dlse is None) or dims.empty:
-            return (None, None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
+        wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[7:], inputs)]
+        if do is None and dlse is None:
+            return (None,) * 4 + (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
         if do is None:
             do = torch.zeros_like(o)
-        wanted = ctx.needs_input_grad[6:]
-        reads = ctx.kernel.plan.read_grads
-        extra = dict(ctx.extra)
-        if any(wanted) and reads:
-            extra["input_grads"] = True
-        if ctx.kernel.generator.backward == "gluon" and not any(wanted) and _is_sm90(q.device):
-            # the Gluon generator's backward (the spec says deterministic = false); input gradients are the Triton kernels'
-            dq, dk, dv = ctx.kernel.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
-            return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
-        flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
-        backward = ctx.kernel.module.attention_backward
-        extra |= ctx.kernel._tiles("bwd", dims, flags, q.device, lambda t: backward(q, k, v, o, lse, do, dlse, *inputs, **extra, tiles=t))
-        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
-            dq, dk, dv, *terms = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)  # with input_grads: the terms too
-        if not any(wanted):
-            return (None, None, None, dq, dk, dv) + (None,) * len(inputs)
-        terms = terms[0] if terms else []
-        grads = _reduce_input_grads(ctx.kernel.spec, dims, dict(zip((d.name for d in ctx.kernel.spec.inputs), inputs)), reads, terms)
-        return (None, None, None, dq, dk, dv) + tuple(grads.get(d.name) if w else None for d, w in zip(ctx.kernel.spec.inputs, wanted))
+        dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, ctx.seed, ctx.block_mask, any(wanted))
+        per_input = _as_input_grads(inputs, grads, wanted)
+        return (None,) * 4 + (dq, dk, dv) + tuple(g if w else None for g, w in zip(per_input, wanted))
+
+
+class _Ops:
+    """A kernel's torch.library custom ops, which torch.compile traces as single calls (with dynamic shapes): the
+    forward `attngen::<name>_fwd` (O and the lse in log2 units) and the backward `attngen::<name>_bwd`, its
+    autograd formula. <name> is the spec's name and the first 12 hex digits of the spec's sha256, and a number
+    where another kernel of the same spec (another target, generator or bundle) is registered in this process.
+    Fake implementations give the outputs' shapes; the real ones run Kernel._forward_impl / _backward_impl."""
+
+    _names: dict[str, int] = {}
+
+    def __init__(self, kernel: Kernel):
+        spec = kernel.spec
+        base = f"{spec.name}_{kernel.plan.spec_hash[:12]}"
+        count = _Ops._names[base] = _Ops._names.get(base, 0) + 1
+        self.name = base if count == 1 else f"{base}_{count}"
+
+        def forward(q: Tensor, k: Tensor, v: Tensor, inputs: list[Tensor], dropout_p: float, seed: Tensor | None,
+                    block_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+            return kernel._forward_impl(q, k, v, inputs, dropout_p, seed, block_mask)
+
+        def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, dlse: Tensor | None, inputs: list[Tensor],
+                     dropout_p: float, seed: Tensor | None, block_mask: Tensor | None, input_grads: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+            return kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, input_grads)
+
+        self.forward = torch.library.custom_op(f"attngen::{self.name}_fwd", forward, mutates_args=())
+        self.backward = torch.library.custom_op(f"attngen::{self.name}_bwd", backward, mutates_args=())
+        self.forward.register_fake(_fake_forward)
+        self.backward.register_fake(_fake_backward)
+        self.forward.register_autograd(self._autograd, setup_context=_setup_context)
+
+    def _autograd(self, ctx, do, dlse):
+        q, k, v, o, lse, *rest = ctx.saved_tensors
+        inputs, seed, block_mask = rest[:ctx.n_inputs], *_optional(rest[ctx.n_inputs:], ctx.has_seed, ctx.has_block_mask)
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv, grads = self.backward(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, seed, block_mask, any(ctx.wanted))
+        per_input = _as_input_grads(inputs, grads, ctx.wanted)
+        return dq, dk, dv, [g if w else None for g, w in zip(per_input, ctx.wanted)], None, None, None
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, tensors, dropout_p, seed, block_mask = inputs
+    ctx.n_inputs, ctx.dropout_p = len(tensors), dropout_p
+    ctx.has_seed, ctx.has_block_mask = seed is not None, block_mask is not None
+    ctx.wanted = [t.requires_grad and t.is_floating_point() for t in tensors]
+    ctx.save_for_backward(q, k, v, *output, *tensors, *(t for t in (seed, block_mask) if t is not None))
+
+
+def _optional(saved, has_seed: bool, has_block_mask: bool) -> tuple:
+    saved = iter(saved)
+    return (next(saved) if has_seed else None), (next(saved) if has_block_mask else None)
+
+
+def _fake_forward(q, k, v, inputs, dropout_p, seed, block_mask):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _fake_backward(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, input_grads):
+    grads = [t.new_empty(t.shape if input_grads else (0,)) for t in inputs if t.is_floating_point()]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
 
 
 _AXES = ("b", "h", "q_idx", "kv_idx")  # the axes of a direct read's term buffer (B, H, Nq, Nk)

@@ -41,7 +41,7 @@ def device(request) -> str:
 @pytest.fixture(scope="session")
 def dtypes(device) -> tuple[str, ...]:
     """Element types the shape matrices check. bf16 on the CPU runs the spec's float32 kernels (Triton's interpreter
-    has no bf16 arithmetic; runtime._run_on_cpu), which fp32 covers; test_numerics.py checks that path in bf16
+    has no bf16 arithmetic; runtime.Kernel._twin), which fp32 covers; test_numerics.py checks that path in bf16
     against the float64 reference (test_bf16_specs_are_exact_on_every_device). On the GPU all three."""
     return ("fp32", "fp16", "bf16") if device == "cuda" else ("fp32", "fp16")
 

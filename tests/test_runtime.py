@@ -107,9 +107,9 @@ def test_an_empty_batch_gives_empty_results(padded):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own use of torch.jit
 def test_torch_compile_without_fullgraph_runs_the_kernel(target):
-    """torch.compile over a function that calls a kernel: on CPU the interpreter's numpy code cannot be traced, so
-    the call is a graph break and runs eagerly (it crashed with KeyError(torch.uint64)); the result and the
-    gradients equal the eager call's."""
+    """torch.compile (default settings, Inductor) over a function that calls a kernel on CPU tensors: it crashed with
+    KeyError(torch.uint64) tracing the interpreter; now the call is a custom op (tests/test_compile.py) and the
+    result and the gradients equal the eager call's."""
     kern = attngen.compile(ROOT / "specs" / "odd_head_dim.attn", target)
     q, k, v = (t.float().requires_grad_() for t in _qkv(d=80))
 

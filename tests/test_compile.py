@@ -1,0 +1,174 @@
+"""torch.compile over attngen kernels (issue 17): under torch.compile a kernel call is a pair of torch.library
+custom ops (forward, backward), so `fullgraph=True` traces a model that calls one, with dynamic shapes, under
+no_grad and in training, with declared inputs and their gradients, dropout, runtime block masks and return_lse.
+On the CPU the ops run the kernels in Triton's interpreter; torch.compile runs with the aot_eager backend
+(Inductor's C++ code generation is not what is tested here, and is slow on two cores)."""
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import attngen
+from attngen import verify
+from attngen.check import load_spec
+
+SPECS = {p.stem: p for p in sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))}
+
+QUICK = ("causal", "relative_bias", "causal_dropout", "block_sparse_runtime")  # the rest are marked slow
+
+
+def _kernel(name: str, target: str):
+    spec = load_spec(SPECS[name].read_text())
+    return attngen.compile(spec, target)
+
+
+class Compiled:
+    """A kernel behind torch.compile(fullgraph=True): what attngen.verify checks like a kernel (spec, plan, call)."""
+
+    def __init__(self, kern, dynamic: bool = True, backend="aot_eager"):
+        self.spec, self.plan, self.kern = kern.spec, kern.plan, kern
+        self.fn = torch.compile(lambda q, k, v, **kw: kern(q, k, v, **kw), fullgraph=True, dynamic=dynamic, backend=backend)
+
+    def __call__(self, q, k, v, **kwargs):
+        return self.fn(q, k, v, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in sorted(SPECS)])
+def test_every_shipped_spec_compiles_with_fullgraph_and_matches_the_reference(name, device, target):
+    """verify.check_one on the compiled call: O, lse, dQ, dK, dV (and the gradients of float inputs the score
+    reads) against the float64 reference with `attngen check`'s error budget, NaN failing, on every CPU shape
+    (a single token, odd lengths, GQA, MQA, q_len != kv_len); and no graph break."""
+    kern = _kernel(name, target)
+    compiled = Compiled(kern)
+    for i, shape in enumerate(verify.CPU_SHAPES if device == "cpu" else verify.CUDA_SHAPES[:6]):
+        result = verify.check_one(compiled, shape, device, seed=i)
+        assert result.ok, verify.format_table(f"{name} compiled", [result])
+    B, Hq, Hkv, Nq, Nk = verify.CPU_SHAPES[2]
+    gen = torch.Generator().manual_seed(0)
+    dtype = verify._TORCH[kern.spec.dtype.value]
+    q, k, v = (torch.randn(B, h, n, kern.spec.head_dim, generator=gen).to(device=device, dtype=dtype) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+    inputs = verify.make_inputs(kern.spec, B, Hq, Nq, Nk, device, gen)
+    explained = torch._dynamo.explain(lambda q, k, v: kern(q, k, v, **inputs))(q, k, v)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+
+
+def test_one_graph_for_every_length(device, target):
+    """dynamic=True: new sequence lengths, batch sizes and head counts reuse the graph (sizes 0 and 1 aside, which
+    torch.compile specializes), in training and under no_grad; results equal the eager call's bit for bit."""
+    kern = _kernel("causal", target)
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True, dynamic=True, backend=counter)
+    dtype = verify._TORCH[kern.spec.dtype.value]
+    compiled = []
+    for B, H, N in ((2, 3, 40), (2, 3, 57), (4, 5, 64)):  # no two sizes equal in the first call (duck sizing would tie them)
+        q, k, v = (torch.randn(B, H, N, 128, device=device, dtype=dtype).requires_grad_() for _ in range(3))
+        out = fn(q, k, v)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        want = kern(q, k, v)
+        assert torch.equal(out, want) and not torch.isnan(out).any()
+        assert all(torch.equal(g, w) for g, w in zip(grads, torch.autograd.grad(want.float().square().sum(), (q, k, v))))
+        with torch.no_grad():
+            assert torch.equal(fn(q, k, v), want)
+        compiled.append(counter.frame_count)
+    assert compiled[0] >= 2 and compiled == [compiled[0]] * 3  # graphs with grad and under no_grad, then none per size
+
+
+def test_return_lse_and_its_gradient_under_compile(device, target):
+    kern = _kernel("causal", target)
+    fn = torch.compile(lambda q, k, v: kern(q, k, v, return_lse=True), fullgraph=True, backend="aot_eager")
+    dtype = verify._TORCH[kern.spec.dtype.value]
+    q, k, v = (torch.randn(1, 2, 33, 128, device=device, dtype=dtype).requires_grad_() for _ in range(3))
+    (o, lse), (o2, lse2) = fn(q, k, v), kern(q, k, v, return_lse=True)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    g = torch.autograd.grad(lse.sum() + o.float().sum(), (q, k, v))
+    g2 = torch.autograd.grad(lse2.sum() + o2.float().sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(g, g2))
+
+
+def test_dropout_under_compile_draws_its_seed_as_eager_does(device, target):
+    """The default seed comes from torch's CPU generator inside the graph: torch.manual_seed makes a compiled call
+    repeat the eager call's pattern, and each call draws a new one."""
+    kern = _kernel("causal_dropout", target)
+    fn = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True, backend="aot_eager")
+    dtype = verify._TORCH[kern.spec.dtype.value]
+    q, k, v = (torch.randn(1, 2, 48, kern.spec.head_dim, device=device, dtype=dtype) for _ in range(3))
+    torch.manual_seed(7)
+    eager = kern(q, k, v)
+    torch.manual_seed(7)
+    first, second = fn(q, k, v), fn(q, k, v)
+    assert torch.equal(first, eager) and not torch.equal(first, second)
+    assert torch.equal(torch.compile(lambda q, k, v: kern(q, k, v, seed=123), fullgraph=True, backend="aot_eager")(q, k, v),
+                       kern(q, k, v, seed=123))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in sorted(SPECS)])
+def test_opcheck_passes_for_every_shipped_spec(name, device, target):
+    """torch.library.opcheck on both ops: schema, autograd registration, fake tensors (the outputs' shapes), and
+    AOT dispatch with dynamic shapes."""
+    kern = _kernel(name, target)
+    spec = kern.spec
+    B, Hq, Hkv, Nq, Nk = verify.CPU_SHAPES[2]
+    gen = torch.Generator().manual_seed(0)
+    dtype = verify._TORCH[spec.dtype.value]
+    q, k, v, do = (torch.randn(B, h, n, spec.head_dim, generator=gen).to(device=device, dtype=dtype)
+                   for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk), (Hq, Nq)))
+    inputs = verify.make_inputs(spec, B, Hq, Nq, Nk, device, gen)
+    block_mask = inputs.pop("block_mask", None)
+    tensors = [inputs[d.name] for d in spec.inputs]
+    for t in tensors:
+        if t.is_floating_point():
+            t.requires_grad_()
+    p, seed = kern._dropout_args(None, 5)
+    ops = kern._ops()
+    forward_args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), tensors, p, seed, block_mask)
+    torch.library.opcheck(ops.forward, forward_args)
+    o, lse = ops.forward(*forward_args)
+    backward_args = (q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do, None, [t.detach() for t in tensors], p, seed, block_mask, True)
+    torch.library.opcheck(ops.backward, backward_args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_ops_are_named_after_the_spec(target):
+    """attngen::<spec name>_<12 hex digits of its sha256>_fwd / _bwd; another kernel of the same spec in the same
+    process (another target, generator or a bundle) gets a number, so no two kernels share an op."""
+    a = _kernel("causal", target)
+    b = _kernel("dense", target)
+    c = _kernel("causal", target)
+    assert a._ops().name.startswith(f"causal_{a.plan.spec_hash[:12]}") and b._ops().name.startswith("dense_")
+    assert len({a._ops().name, b._ops().name, c._ops().name}) == 3
+    assert a._ops().forward._qualname == f"attngen::{a._ops().name}_fwd"
+    assert hasattr(torch.ops.attngen, f"{c._ops().name}_bwd")
+
+
+def test_bad_calls_fail_while_tracing_with_the_eager_message(target):
+    kern = _kernel("causal", target)
+    fn = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True, backend="aot_eager")
+    q = torch.randn(1, 2, 16, 64)
+    with pytest.raises(Exception, match="q has head_dim 64, the spec says 128"):
+        fn(q, q, q)
+
+
+def test_a_decode_loop_captured_in_a_cuda_graph_replays(device):
+    """CUDA-graph capture of eager calls (forward, and forward + backward): replays give the same results as new
+    calls on the new inputs."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    kern = attngen.compile(SPECS["causal"])
+    q, k, v = (torch.randn(2, 4, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kern(q, k, v)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kern(q, k, v)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, kern(q, k, v))
