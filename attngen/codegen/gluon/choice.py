@@ -37,8 +37,9 @@ class Choice:
 
 
 def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choice:
-    """Which generator renders the forward: `backend` (the compile argument) or the spec's setting. auto takes
-    Gluon where it supports the spec; gluon asked for where it cannot is a PlanError with the reasons."""
+    """Which generator renders each pass: `backend` (the compile argument) or the spec's setting. auto takes the
+    Gluon forward where it supports the spec and was measured faster; gluon asked for where it cannot render the
+    spec is a PlanError with the reasons. The backward: see _choose_backward."""
     backend = backend or spec.backend
     if backend is Backend.TRITON:
         return Choice("triton", "backend = triton")
