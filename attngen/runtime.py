@@ -87,7 +87,9 @@ class Kernel:
         return f"<attngen.Kernel {self.spec.name} target={self.plan.target.name} file={self.path}>"
 
     # -- call-time checks
-    def _check(self, q, k, v, inputs: dict, device_check: bool = True) -> tuple[_Dims, list[torch.Tensor]]:
+    def _check(self, q, k, v, inputs: dict) -> tuple[_Dims, list[torch.Tensor]]:
+        """The call's sizes and its declared inputs in order; an InputError for anything the spec does not allow.
+        (The device is checked where the work starts, _forward_impl: torch.compile cannot trace that check.)"""
         spec = self.spec
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -114,8 +116,6 @@ class Kernel:
         for what, n in (("batch size", B), ("number of query heads", Hq), ("query length", Nq), ("key length", Nk)):
             if n >= MAX_EXTENT:  # the integer analysis of the spec's expressions (ranges.py) assumes less
                 raise InputError(f"the {what} is {n}; attngen supports at most {MAX_EXTENT - 1} (2**30 - 1)")
-        if device_check:  # (under torch.compile, where it cannot be traced, the forward checks it when it runs)
-            check_device(q.device, self.module)
         dims = _Dims(B, Hq, Hkv, Nq, Nk)
 
         declared = [d.name for d in spec.inputs]
@@ -169,7 +169,7 @@ class Kernel:
         Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of custom
         ops (forward, backward) named after the kernel, so a compiled model calls it with no graph break."""
         compiling = torch.compiler.is_compiling()
-        dims, tensors = self._check(q, k, v, inputs, device_check=not compiling)
+        dims, tensors = self._check(q, k, v, inputs)
         p, seed_t = self._dropout_args(dropout_p, seed)
         self._check_block_mask(block_mask)
         if compiling:
@@ -182,14 +182,13 @@ class Kernel:
 
     def _forward_impl(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask):
         """O and the lse in log2 units: what every call runs, eager or compiled (the tensors are checked)."""
+        check_device(q.device, self.module)
         dims = _dims_of(q, k)
         if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
             return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
-        if q.device.type == "cpu":
-            check_device(q.device, self.module)
-            if self.spec.dtype is DType.BF16:
-                o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask)
-                return o.to(torch.bfloat16), lse
+        if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
+            o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask)
+            return o.to(torch.bfloat16), lse
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
         with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
             if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward

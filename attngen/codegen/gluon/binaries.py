@@ -60,11 +60,6 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     }
 
 
-def compile_forward(module: ModuleType, dtype, **sizes):
-    """The module's forward kernel compiled for sm_90 (see compile_module)."""
-    return compile_module(module, dtype, **sizes)["_attn_fwd"]
-
-
 def ptxas_report(kernel) -> dict:
     """Registers per thread and spilled bytes of a compiled kernel, from `ptxas -v` (Triton's own ptxas) over its
     PTX: a loaded kernel's n_regs needs a GPU; this does not."""
