@@ -187,10 +187,11 @@ def make_case(spec: Spec, seq: int, tokens: int = 16384, width: int = 2048, seed
     return q, k, v, do, inputs, extra
 
 
-def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: int, derived=None, triton=None) -> tuple[dict, dict]:
-    """The providers that compute `kernel`'s spec at one configuration, name -> fn(q, k, v): attngen (and
-    `derived`, the same spec with the plan's own tiles, and `triton`, the same spec through the Triton generator
-    when attngen's forward is Gluon's, when given), FlexAttention with the spec's mask_mod /
+def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: int, derived=None, triton=None,
+              gluon=None) -> tuple[dict, dict]:
+    """The providers that compute `kernel`'s spec at one configuration, name -> fn(q, k, v): attngen (and, when
+    given, `derived`: the same spec with the plan's own tiles; `gluon` and `triton`: the same spec through each
+    code generator, Gluon's for both passes), FlexAttention with the spec's mask_mod /
     score_mod and BlockMask (not with dropout or runtime block sparsity), torch SDPA's flash and cuDNN backends
     where they express the spec. Also {name: {"error": ...}} for a provider that could not be set up."""
     from torch.nn.attention import SDPBackend
@@ -200,6 +201,8 @@ def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: in
     fns = {"attngen": lambda q, k, v: kernel(q, k, v, **extra, **inputs)}
     if derived is not None:
         fns["derived"] = lambda q, k, v: derived(q, k, v, **extra, **inputs)
+    if gluon is not None:
+        fns["gluon"] = lambda q, k, v: gluon(q, k, v, **extra, **inputs)
     if triton is not None:
         fns["triton"] = lambda q, k, v: triton(q, k, v, **extra, **inputs)
     failed = {}
@@ -221,10 +224,11 @@ def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: in
     return fns, failed
 
 
-def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0, derived=None, triton=None) -> dict:
+def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0, derived=None, triton=None,
+               gluon=None) -> dict:
     """One configuration: B = tokens // seq, H = width // head_dim, every provider that expresses the spec.
-    `derived`: the same spec with the plan's own tiles, timed beside a kernel whose tiles are tuned; `triton`:
-    the spec through the Triton generator, timed beside a kernel whose forward is Gluon's."""
+    `derived`: the same spec with the plan's own tiles, timed beside a kernel whose tiles are tuned; `gluon`,
+    `triton`: the spec through each code generator, timed beside the spec's own choice."""
     spec = kernel.spec
     d = spec.head_dim
     q, k, v, do, inputs, extra = make_case(spec, seq, tokens, width, seed)
@@ -241,41 +245,45 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
     def error_of(out):
         return (out[:1, :2].float() - want).abs().max().item()
 
-    fns, failed = providers(kernel, seq, inputs, extra, batch, heads, derived, triton)
+    fns, failed = providers(kernel, seq, inputs, extra, batch, heads, derived, triton, gluon)
     row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dtype": spec.dtype.value, "kept": kept,
-           "generator": kernel.generator.generator} | failed
+           "generator": kernel.generator.generator, "backward": kernel.generator.backward} | failed
     for name, fn in fns.items():
         row[name] = measure(name, fn, q, k, v, do, error_of, fwd_flop)
     return row
 
 
-PROVIDERS = ("attngen", "triton", "derived", "flex", "sdpa_flash", "sdpa_cudnn")
+PROVIDERS = ("attngen", "gluon", "triton", "derived", "flex", "sdpa_flash", "sdpa_cudnn")
 
 
 def format_table(rows: list[dict], ceiling: float | None = None) -> str:
-    """TFLOP/s forward / backward per provider, and attngen's speed over FlexAttention's and cuDNN's (and over
-    the plan's derived tiles, when attngen's are tuned)."""
+    """TFLOP/s forward / backward per provider, and the speed of attngen (the spec's own choice of generators)
+    and of the Gluon generator over FlexAttention's, cuDNN's and the Triton generator's (and over the plan's
+    derived tiles, when attngen's are tuned)."""
     providers = [p for p in PROVIDERS if any(p in row for row in rows)]
-    derived = "derived" in providers
-    two = "triton" in providers  # attngen's forward through Gluon, beside the Triton generator
+    ratios = [(a, b) for a in ("attngen", "gluon") if a in providers for b in ("flex", "sdpa_cudnn", "triton", "derived")
+              if b in providers and not (a == "gluon" and b == "derived")]
     def cell(r):
         return f"{r['fwd_tflops']:5.0f} /{r['bwd_tflops']:5.0f}" if "fwd_tflops" in r else ("failed" if "error" in r else "-")
 
-    def ratio(row, p):
-        a, b = row.get("attngen", {}), row.get(p, {})
+    def ratio(row, a, b):
+        a, b = row.get(a, {}), row.get(b, {})
         if "fwd_tflops" in a and "fwd_tflops" in b:
             return f"{a['fwd_tflops'] / b['fwd_tflops']:.2f}/{a['bwd_tflops'] / b['bwd_tflops']:.2f}"
         return "-"
 
-    head = (f"{'config':<34}" + "".join(f"{p:>14}" for p in providers) + f"{'vs flex':>12}{'vs cudnn':>12}" + (f"{'vs derived':>12}" if derived else "")
-            + (f"{'vs triton':>12}" if two else ""))
-    lines = ["TFLOP/s forward / backward (kept pairs only)" + (f"; bf16 8192^3 matmul {ceiling:.0f}" if ceiling else "")
-             + ("; attngen's forward is the Gluon generator's where a `triton` column is shown (backward: Triton's)" if two else ""), head]
+    label = {"sdpa_cudnn": "cudnn"}
+    head = f"{'config':<34}" + "".join(f"{p:>14}" for p in providers) + "".join(f"{a + '/' + label.get(b, b):>18}" for a, b in ratios)
+    notes = []
+    if any(p in providers for p in ("gluon", "triton")):
+        passes = sorted({f"{r['generator']}/{r.get('backward', 'triton')}" for r in rows})
+        notes.append(f"attngen = the spec's own choice (forward/backward generator: {', '.join(passes)}); gluon = both passes "
+                     "through the Gluon generator (deterministic = false); triton = both through the Triton generator")
+    lines = ["TFLOP/s forward / backward (kept pairs only)" + (f"; bf16 8192^3 matmul {ceiling:.0f}" if ceiling else ""), *notes, head]
     for row in rows:
         name = f"{row['spec']} d={row['d']} N={row['N']} {row['dtype']}"
         lines.append(f"{name:<34}" + "".join(f"{cell(row.get(p, {})):>14}" for p in providers)
-                     + f"{ratio(row, 'flex'):>12}{ratio(row, 'sdpa_cudnn'):>12}" + (f"{ratio(row, 'derived'):>12}" if derived else "")
-                     + (f"{ratio(row, 'triton'):>12}" if two else ""))
+                     + "".join(f"{ratio(row, a, b):>18}" for a, b in ratios))
     for row in rows:
         for name, entry in sorted(row.get("tuned", {}).items()):
             lines.append(f"  {row['spec']} N={row['N']} tuned {name.split()[0]}: {describe(entry['tiles'])} "
@@ -358,6 +366,21 @@ def _gpu_specs(paths: list[str], dtype: str | None, head_dims: list[int] | None)
             yield base if d is None else replace(base, head_dim=d, name=f"{base.name}_d{d}")
 
 
+def _generators(spec: Spec, kernel, compile_spec) -> tuple:
+    """The spec through each code generator for both passes, to time beside the spec's own choice (`kernel`):
+    (Gluon's, with deterministic = false, or None where it cannot render the spec for this GPU or where that is
+    `kernel` already; Triton's, or None where `kernel` is Triton's both ways)."""
+    from .errors import PlanError
+
+    gen = kernel.generator
+    try:
+        gluon = compile_spec(spec, backend="gluon", deterministic=False) if (gen.generator, gen.backward) != ("gluon", "gluon") else None
+    except PlanError:
+        gluon = None
+    triton = compile_spec(spec, backend="triton") if (gen.generator, gen.backward) != ("triton", "triton") else None
+    return gluon, triton
+
+
 def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: str | None = None, head_dims: list[int] | None = None,
         tune: bool = False, plot_path: str | None = None, progress=print) -> list[dict]:
     """The CLI's work: compile each spec for the live GPU (for each of `head_dims`, if given, instead of the spec's
@@ -371,11 +394,11 @@ def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: 
     for spec in _gpu_specs(paths, dtype, head_dims):
         kernel = compile_spec(tuned(spec) if tune else spec)
         derived = compile_spec(replace(spec, tune=frozenset())) if tune else None
-        triton = compile_spec(spec, backend="triton") if kernel.gluon is not None else None
-        progress(f"[bench] {spec.name}: forward by the {kernel.generator.generator} generator ({kernel.generator.reason})")
+        gluon, triton = _generators(spec, kernel, compile_spec)
+        progress(f"[bench] {spec.name}: {kernel.generator.describe()}")
         for seq in seqs:
             progress(f"[bench] {spec.name} N={seq} ...")
-            row = bench_spec(kernel, seq, derived=derived, triton=triton)
+            row = bench_spec(kernel, seq, derived=derived, triton=triton, gluon=gluon)
             if tune:
                 row["tuned"] = entries_at(kernel.tuner.entries, seq)
             rows.append(row)

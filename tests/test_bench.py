@@ -91,7 +91,24 @@ def test_tune_needs_a_gpu_and_bench_tune_times_the_derived_tiles_beside(capsys):
            "tuned": {"fwd x": {"tiles": {"fwd": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
                                "derived_ms": 2.0, "tuned_ms": 1.0, "tried": 9}}}
     table = bench.format_table([row])
-    assert "vs derived" in table and "2.00/1.00" in table and "tuned fwd: fwd 128x64 w8 s3 (2.00x" in table
+    assert "attngen/derived" in table and "2.00/1.00" in table and "tuned fwd: fwd 128x64 w8 s3 (2.00x" in table
+
+
+def test_bench_table_shows_both_generators_side_by_side():
+    """With the spec through each generator timed beside its own choice, the table has a column per generator and
+    the speed of attngen and of Gluon over FlexAttention, cuDNN and the Triton generator."""
+    def timed(fwd, bwd):
+        return {"fwd_tflops": fwd, "bwd_tflops": bwd}
+
+    row = {"spec": "causal", "d": 128, "N": 4096, "dtype": "bf16", "generator": "gluon", "backward": "triton",
+           "attngen": timed(600.0, 400.0), "gluon": timed(600.0, 500.0), "triton": timed(400.0, 400.0),
+           "flex": timed(300.0, 250.0), "sdpa_cudnn": timed(600.0, 500.0)}
+    table = bench.format_table([row])
+    head = table.splitlines()[2].split()
+    assert head == ["config", "attngen", "gluon", "triton", "flex", "sdpa_cudnn", "attngen/flex", "attngen/cudnn", "attngen/triton",
+                    "gluon/flex", "gluon/cudnn", "gluon/triton"]
+    assert "forward/backward generator: gluon/triton" in table
+    assert table.splitlines()[3].split()[-6:] == ["2.00/1.60", "1.00/0.80", "1.50/1.00", "2.00/2.00", "1.00/1.00", "1.50/1.25"]
 
 
 def _bench_results():

@@ -53,10 +53,12 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     inputs = [torch.zeros([4] * ndim, dtype=dtypes[kind]) for _, kind, ndim in module.INPUTS]  # only their types matter
     warps = {"num_warps": 4, "maxnreg": module.MAXNREG}
     dq = torch.empty(q.shape, dtype=torch.float32)
+    q_pad = -(-q_len // module.BWD_BLOCK_M.value) * module.BWD_BLOCK_M.value
+    stats = torch.empty(2, batch * heads, q_pad, dtype=torch.float32)
     return {
         "_attn_fwd": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs), warps),
-        "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, lse, lse, dq, k, k, *inputs), warps),
-        "_bwd_delta": compile_kernel(module._bwd_delta, (o, o, lse, lse, lse.numel(), False, module.DELTA_ROWS), {"num_warps": 4}),
+        "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, dq, k, k, *inputs), warps),
+        "_bwd_delta": compile_kernel(module._bwd_delta, (o, o, lse, lse, stats, q_len, q_pad, False, module.DELTA_ROWS), {"num_warps": 4}),
     }
 
 
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                               "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
                               "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
                               "atomics": sorted(set(re.findall(r"(?:red|atom)\.global[\w.]*", ptx))),
+                              "tma_reduce": sorted(set(re.findall(r"cp\.reduce\.async\.bulk[\w.:]*", ptx))),
                               "cubin_bytes": len(kernel.asm["cubin"])}))
     return 0
 

@@ -64,20 +64,18 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
 
 
 # The Gluon backward against the Triton generator's on the H100 (raw launchers, same inputs, bf16, N = 4096 and
-# 16384, dense and causal; BENCHMARKS.md, 2026-11-25): 0.74-0.81x at head_dim 128, 0.66-0.78x at 64.
-BACKWARD_MEASURED = "0.66-0.81x the Triton backward on the H100"
+# 16384, dense and causal; BENCHMARKS.md, 2026-11-25, dQ added by TMA reduce-adds): 1.15-1.29x at head_dim 128,
+# 1.07-1.32x at 64 (0.89-1.05x cuDNN's).
+BACKWARD_MEASURED = "1.07-1.32x the Triton backward on the H100"
 
 
 def _choose_backward(spec: Spec, backend: Backend) -> tuple[str, str]:
-    """The backward of a spec whose forward is Gluon's. Gluon's adds dQ across key tiles with atomics, in no
-    fixed order, and was measured slower than the Triton generator's: it is taken only when asked for twice,
-    backend = gluon and deterministic = false. Otherwise the Triton generator's, whose gradients are
-    bit-reproducible."""
+    """The backward of a spec whose forward is Gluon's. Gluon's is faster but adds dQ across key tiles in no
+    fixed order, so its last bits may vary between runs: it is taken only with deterministic = false. Otherwise
+    the Triton generator's, whose gradients are bit-reproducible (the default)."""
     if spec.deterministic:
-        return "triton", "deterministic: the Gluon backward adds dQ in no fixed order (deterministic = false allows it)"
-    if backend is not Backend.GLUON:
-        return "triton", f"auto: the Gluon backward measured slower ({BACKWARD_MEASURED}); backend = gluon takes it anyway"
-    return "gluon", f"backend = gluon, deterministic = false: dQ added by atomics, its last bits may vary between runs ({BACKWARD_MEASURED})"
+        return "triton", f"deterministic: the Gluon backward ({BACKWARD_MEASURED}) adds dQ in no fixed order; deterministic = false takes it"
+    return "gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED})"
 
 
 def slower_than_triton(spec: Spec) -> str | None:

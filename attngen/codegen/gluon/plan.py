@@ -131,9 +131,11 @@ def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
                       "columns" if dq_split == "d" else "rows"))
     kv_bytes = 2 * block_n * d * isz
     ds_bytes = 2 * block_n * block_m * isz
-    stage_bytes = 2 * block_m * d * isz
+    dq_bytes = block_m * d * 4  # both warpgroups' halves, float32
+    stage_bytes = 2 * block_m * (d * isz + 4)  # Q and dO tiles, their rows' lse and delta (float32)
     smem = tgt.smem_per_block - SMEM_RESERVE
-    stages = min(3, (smem - kv_bytes - ds_bytes) // stage_bytes)
-    steps.append(Step("ring stages", f"min(3, (smem {smem} - K,V {kv_bytes} - dS^T x2 {ds_bytes}) // (Q+dO stage {stage_bytes}))", f"{stages}"))
+    stages = min(3, (smem - kv_bytes - ds_bytes - dq_bytes) // stage_bytes)
+    steps.append(Step("ring stages", f"min(3, (smem {smem} - K,V {kv_bytes} - dS^T x2 {ds_bytes} - dQ {dq_bytes}) // (Q,dO,lse,delta stage {stage_bytes}))",
+                      f"{stages}"))
     return {"bwd_block_n": block_n, "bwd_block_m": block_m, "bwd_stages": stages, "bwd_consumer_regs": consumer_regs,
             "dq_split": dq_split, "bwd_steps": tuple(steps)}
