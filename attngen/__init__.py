@@ -4,7 +4,10 @@
     o = kern(q, k, v)                               # autograd works
     ref = attngen.reference(kern.spec, q, k, v)     # the naive, materialized reference
 
+    attngen.install_import_hook()                   # `import pkg.causal` compiles pkg/causal.attn (attngen.importer)
+
 Importing attngen does not import Triton: set TRITON_INTERPRET=1 before the first kernel call to run on CPU.
+Hugging Face transformers models: `import attngen.hf` (attngen.hf.register).
 """
 __version__ = "0.1.0"
 
@@ -42,6 +45,10 @@ def __getattr__(name):
         from .plan import TargetWarning
 
         return TargetWarning
+    if name in ("install_import_hook", "uninstall_import_hook"):
+        from . import importer
+
+        return getattr(importer, name)
     if name == "load_spec":
         from .check import load_spec
 
@@ -63,6 +70,8 @@ __all__ = [
     "block_mask_from",
     "block_mask_from_dense",
     "load_spec",
+    "install_import_hook",
+    "uninstall_import_hook",
     "TargetWarning",
     "load",
     "BundleError",
