@@ -53,12 +53,11 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     inputs = [torch.zeros([4] * ndim, dtype=dtypes[kind]) for _, kind, ndim in module.INPUTS]  # only their types matter
     warps = {"num_warps": 4, "maxnreg": module.MAXNREG}
     dq = torch.empty(q.shape, dtype=torch.float32)
-    q_pad = -(-q_len // module.BWD_BLOCK_M.value) * module.BWD_BLOCK_M.value
-    stats = torch.empty(2, batch * heads, q_pad, dtype=torch.float32)
+    stats = module.bwd_stats(batch, heads, q_len, "cpu")
     return {
         "_attn_fwd": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs), warps),
         "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, dq, k, k, *inputs), warps),
-        "_bwd_delta": compile_kernel(module._bwd_delta, (o, o, lse, lse, stats, q_len, q_pad, False, module.DELTA_ROWS), {"num_warps": 4}),
+        "_bwd_delta": compile_kernel(module._bwd_delta, (o, o, lse, lse, stats, q_len, stats.shape[2], False, module.DELTA_ROWS), {"num_warps": 4}),
     }
 
 
