@@ -171,10 +171,11 @@ def make_case(spec: Spec, seq: int, tokens: int = 16384, width: int = 2048, seed
     """Random CUDA inputs of one configuration, B = tokens // seq, H = width // head_dim: (q, k, v requiring grad,
     dO, the spec's inputs, the call's other keywords (block_mask, dropout))."""
     from . import verify
+    from .dtypes import TORCH_DTYPES
 
     d = spec.head_dim
     batch, heads = max(1, tokens // seq), max(1, width // d)
-    dtype = verify._TORCH[spec.dtype.value]
+    dtype = TORCH_DTYPES[spec.dtype.value]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, do = (torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
     for t in (q, k, v):

@@ -223,9 +223,10 @@ def _calls(spec):
     """(shape, q, k, v, inputs) of the recorded calls: CPU tensors of each of SHAPES, with the spec's inputs."""
     import torch
 
-    from .verify import _TORCH, make_inputs
+    from .dtypes import TORCH_DTYPES
+    from .verify import make_inputs
 
-    dtype = _TORCH[spec.dtype.value]
+    dtype = TORCH_DTYPES[spec.dtype.value]
     for B, Hq, Hkv, Nq, Nk in SHAPES:
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, h, n, spec.head_dim, generator=gen).to(dtype) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))

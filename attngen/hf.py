@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .dtypes import SPEC_FLOAT_DTYPES
 from .errors import AttngenError
 from .spec import Spec
 
@@ -50,7 +51,6 @@ PADDING_INPUT = "attention_mask"
 # The input of packed sequences' ids in the specs register() compiles without a user spec.
 SEQUENCE_INPUT = "sequence"
 
-_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # transformers' own implementations, which register() must not replace
 _BUILTIN = {"eager"} | set(AttentionInterface._global_mapping) | set(AttentionMaskInterface._global_mapping)
 
@@ -256,14 +256,14 @@ class AttentionFunction:
                                        f"{head_dim}, {key.shape[-1]} and {value.shape[-1]}")
         if not 16 <= head_dim <= 256:
             raise UnsupportedAttention(f"attngen runs head dimensions 16..256; this model's is {head_dim}")
-        if query.dtype not in _DTYPES:
+        if query.dtype not in SPEC_FLOAT_DTYPES:
             raise UnsupportedAttention(f"attngen runs float32, float16 and bfloat16 attention; this model's is {query.dtype}")
         for what, x in (("scaling", scaling), ("softcap", softcap)):
             if x is not None and not (0.0 < float(x) < math.inf):
                 raise UnsupportedAttention(f"{what} must be a positive number; this layer passes {x!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
             raise UnsupportedAttention(f"a sliding window must be a positive number of tokens; this model's is {window!r}")
-        return _Config(head_dim, _DTYPES[query.dtype], None if scaling is None else float(scaling), query.shape[2] == key.shape[2],
+        return _Config(head_dim, SPEC_FLOAT_DTYPES[query.dtype], None if scaling is None else float(scaling), query.shape[2] == key.shape[2],
                        window, None if softcap is None else float(softcap), padding, packed, dropout)
 
     def _kernel(self, config: _Config) -> Kernel:

@@ -16,6 +16,7 @@ from torch import Tensor  # at module scope: the custom ops' annotations are rea
 
 from .blocks import block_lists
 from .check import read_spec
+from .dtypes import TORCH_DTYPES
 from .codegen.gluon import Choice
 from .codegen.gluon import build_source as build_gluon_source
 from .codegen.gluon import choose as choose_generator
@@ -30,17 +31,6 @@ from .ranges import MAX_EXTENT
 from .spec import Backend, DType, Index, Spec, Var
 from .tune import Tuner
 from .tune import bucket as tune_bucket
-
-_TORCH_DTYPES = {
-    "bool": torch.bool,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp32": torch.float32,
-}
 
 LN2 = 0.6931471805599453
 
@@ -98,7 +88,7 @@ class Kernel:
                 raise InputError(f"{name} must be 4-D (batch, heads, tokens, head_dim), got shape {tuple(t.shape)}")
             if t.shape[-1] != spec.head_dim:
                 raise InputError(f"{name} has head_dim {t.shape[-1]}, the spec says {spec.head_dim}")
-            want = _TORCH_DTYPES[spec.dtype.value]
+            want = TORCH_DTYPES[spec.dtype.value]
             if t.dtype != want:
                 raise InputError(f"{name} is {t.dtype}, the spec {spec.name!r} says dtype = {spec.dtype.value} ({want})")
             if t.device != q.device:
@@ -130,7 +120,7 @@ class Kernel:
             t = inputs[decl.name]
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {decl.name!r} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != _TORCH_DTYPES[decl.dtype]:
+            if t.dtype != TORCH_DTYPES[decl.dtype]:
                 raise InputError(f"input {decl.name!r} is {t.dtype}, declared {decl.dtype}")
             if t.dim() != len(decl.dims):
                 raise InputError(f"input {decl.name!r} has {t.dim()} dimension(s), declared {len(decl.dims)}: [{', '.join(map(str, decl.dims))}]")

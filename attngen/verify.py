@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dtypes import TORCH_DTYPES
 from .expr import SCORE_VARS, Scope
 from .naive import evaluate, probabilities, reference, score_env
 
@@ -29,7 +30,6 @@ CUDA_SHAPES = CPU_SHAPES + ((2, 8, 2, 1000, 1000), (1, 4, 4, 2048, 512), (2, 4, 
 
 LSE_RTOL = 1e-4
 FLOOR_ULPS = 4
-_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass
@@ -63,7 +63,7 @@ def make_inputs(spec, batch: int, heads: int, q_len: int, kv_len: int, device, g
                 t = torch.randint(0, max(1, shape[-1] // 16) + 1, shape, generator=generator).sort(dim=-1).values
             t = t.to(getattr(torch, kind))
         else:
-            t = torch.randn(shape, generator=generator).to(_TORCH[kind])
+            t = torch.randn(shape, generator=generator).to(TORCH_DTYPES[kind])
         out[decl.name] = t.to(device)
     if spec.sparsity == "runtime":  # random kept blocks, shared by the batch, with one query block row empty
         S = spec.sparse_block
@@ -86,7 +86,7 @@ def _floor(ref: torch.Tensor, terms: float = 0.0) -> float:
 
 def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool = True) -> Result:
     spec = kernel.spec
-    dtype = _TORCH[spec.dtype.value]
+    dtype = TORCH_DTYPES[spec.dtype.value]
     B, Hq, Hkv, Nq, Nk = shape
     D = spec.head_dim
     gen = torch.Generator().manual_seed(seed)

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from attngen import verify  # noqa: E402
+from attngen.dtypes import TORCH_DTYPES  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -46,7 +46,7 @@ def per_call_us(fn, calls: int) -> float:
 
 def main():
     kern = attngen.compile(ROOT / "specs" / "causal.attn", "h100" if args.device == "cpu" else None)
-    dtype = verify._TORCH[kern.spec.dtype.value]
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
     n = 0 if args.device == "cpu" else 128
     q, k = torch.randn(1, 1, n, 128, device=args.device, dtype=dtype), torch.randn(1, 1, 128, 128, device=args.device, dtype=dtype)
     v = torch.randn_like(k)

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
 from attngen import verify  # noqa: E402
+from attngen.dtypes import TORCH_DTYPES  # noqa: E402
 from attngen.bench import make_case, providers, versions  # noqa: E402
 from attngen.check import load_spec  # noqa: E402
 from attngen.codegen.gluon import build_source  # noqa: E402
@@ -54,7 +55,7 @@ def check(results, quick):
             kern = attngen.compile(spec, backend="gluon", deterministic=False)
             assert kern.generator.backward == "gluon", kern.generator.describe()
             rows = [verify.check_one(kern, shape, "cuda", seed=i) for i, shape in enumerate(shapes)]
-            dtype = verify._TORCH[spec.dtype.value]
+            dtype = TORCH_DTYPES[spec.dtype.value]
             q, k, v, do = (torch.randn(2, 8, 1000, spec.head_dim, device="cuda", dtype=dtype) for _ in range(4))
             k, v = k[:, :2].contiguous(), v[:, :2].contiguous()  # GQA: 4 query heads per key/value head
             inputs = verify.make_inputs(spec, 2, 8, 1000, 1000, "cuda", torch.Generator().manual_seed(1))

@@ -11,6 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import attngen
 from attngen import verify
+from attngen.dtypes import TORCH_DTYPES
 from attngen.check import load_spec
 
 SPECS = {p.stem: p for p in sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))}
@@ -53,7 +54,7 @@ def test_every_shipped_spec_compiles_with_fullgraph_and_matches_the_reference(na
         assert result.ok, verify.format_table(f"{name} compiled", [result])
     B, Hq, Hkv, Nq, Nk = verify.CPU_SHAPES[2]
     gen = torch.Generator().manual_seed(0)
-    dtype = verify._TORCH[kern.spec.dtype.value]
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
     q, k, v = (torch.randn(B, h, n, kern.spec.head_dim, generator=gen).to(device=device, dtype=dtype) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
     inputs = verify.make_inputs(kern.spec, B, Hq, Nq, Nk, device, gen)
     explained = torch._dynamo.explain(lambda q, k, v: kern(q, k, v, **inputs))(q, k, v)
@@ -66,7 +67,7 @@ def test_one_graph_for_every_length(device, target):
     kern = _kernel("causal", target)
     counter = CompileCounterWithBackend("aot_eager")
     fn = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True, dynamic=True, backend=counter)
-    dtype = verify._TORCH[kern.spec.dtype.value]
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
     compiled = []
     for B, H, N in ((2, 3, 40), (2, 3, 57), (4, 5, 64)):  # no two sizes equal in the first call (duck sizing would tie them)
         q, k, v = (torch.randn(B, H, N, 128, device=device, dtype=dtype).requires_grad_() for _ in range(3))
@@ -84,7 +85,7 @@ def test_one_graph_for_every_length(device, target):
 def test_return_lse_and_its_gradient_under_compile(device, target):
     kern = _kernel("causal", target)
     fn = torch.compile(lambda q, k, v: kern(q, k, v, return_lse=True), fullgraph=True, backend="aot_eager")
-    dtype = verify._TORCH[kern.spec.dtype.value]
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
     q, k, v = (torch.randn(1, 2, 33, 128, device=device, dtype=dtype).requires_grad_() for _ in range(3))
     (o, lse), (o2, lse2) = fn(q, k, v), kern(q, k, v, return_lse=True)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
@@ -98,7 +99,7 @@ def test_dropout_under_compile_draws_its_seed_as_eager_does(device, target):
     repeat the eager call's pattern, and each call draws a new one."""
     kern = _kernel("causal_dropout", target)
     fn = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True, backend="aot_eager")
-    dtype = verify._TORCH[kern.spec.dtype.value]
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
     q, k, v = (torch.randn(1, 2, 48, kern.spec.head_dim, device=device, dtype=dtype) for _ in range(3))
     torch.manual_seed(7)
     eager = kern(q, k, v)
@@ -117,7 +118,7 @@ def test_opcheck_passes_for_every_shipped_spec(name, device, target):
     spec = kern.spec
     B, Hq, Hkv, Nq, Nk = verify.CPU_SHAPES[2]
     gen = torch.Generator().manual_seed(0)
-    dtype = verify._TORCH[spec.dtype.value]
+    dtype = TORCH_DTYPES[spec.dtype.value]
     q, k, v, do = (torch.randn(B, h, n, spec.head_dim, generator=gen).to(device=device, dtype=dtype)
                    for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk), (Hq, Nq)))
     inputs = verify.make_inputs(spec, B, Hq, Nq, Nk, device, gen)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from strategies import EDGE_INPUTS, bool_exprs, edge_bool_exprs, edge_float_exprs, edge_int_exprs, float_exprs, int_exprs
 
 from attngen import expr as ex
+from attngen.dtypes import TORCH_DTYPES
 from attngen.naive import evaluate
 from attngen.spec import Binary, Call, Const, InputDecl, Type
 from attngen.syntax import parse
@@ -246,14 +247,13 @@ def _eval_kernel(Out, Q, S, b, h, q_len, kv_len, {params}, BM: tl.constexpr, BN:
     val = tl.where(tl.full([BM, BN], 1, tl.int1), {value}, tl.zeros([BM, BN], {zero_type}))  # broadcast, keeping -0.0
     tl.store(Out + offs_m[:, None] * BN + offs_n[None, :], val)
 '''
-_EDGE_TORCH = {"int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "fp32": torch.float32, "bool": torch.bool}
 
 
 def _edge_tensors(device):
     q = torch.tensor(EDGE_Q, dtype=torch.int32, device=device)
     gen = torch.Generator().manual_seed(0)
     score = torch.tensor(EDGE_FLOATS)[torch.randint(0, 16, (16, 16), generator=gen)].to(device)
-    inputs = {n: torch.tensor(EDGE_DATA[n], dtype=_EDGE_TORCH[t], device=device) for n, t in EDGE_INPUTS.items()}
+    inputs = {n: torch.tensor(EDGE_DATA[n], dtype=TORCH_DTYPES[t], device=device) for n, t in EDGE_INPUTS.items()}
     return q, score, inputs
 
 

@@ -17,6 +17,7 @@ import torch
 
 import attngen
 from attngen import verify
+from attngen.dtypes import TORCH_DTYPES
 from attngen.check import load_spec
 from attngen.cli import main
 from attngen.codegen.gluon import choose, plan_gluon, render, unsupported
@@ -231,7 +232,7 @@ def test_gluon_forward_matches_the_reference(name, device):
         kern = attngen.compile(_spec(name, dtype=dtype), backend="gluon")
         results = [verify.check_one(kern, shape, "cuda", seed=i) for i, shape in enumerate(verify.CUDA_SHAPES)]
         assert all(r.ok for r in results), verify.format_table(name, results)
-        q, k, v = (torch.randn(2, 4, 777, kern.spec.head_dim, device="cuda", dtype=verify._TORCH[kern.spec.dtype.value]) for _ in range(3))
+        q, k, v = (torch.randn(2, 4, 777, kern.spec.head_dim, device="cuda", dtype=TORCH_DTYPES[kern.spec.dtype.value]) for _ in range(3))
         inputs = verify.make_inputs(kern.spec, 2, 4, 777, 777, "cuda", torch.Generator().manual_seed(1))
         assert torch.equal(kern(q, k, v, **inputs), kern(q, k, v, **inputs))
 
@@ -249,8 +250,8 @@ def test_gluon_backward_matches_the_reference(name, device):
         results = [verify.check_one(kern, shape, "cuda", seed=i) for i, shape in enumerate(verify.CUDA_SHAPES)]
         assert all(r.ok for r in results), verify.format_table(name, results)
         gen = torch.Generator(device="cuda").manual_seed(3)
-        q, do = (torch.randn(2, 4, 777, kern.spec.head_dim, device="cuda", dtype=verify._TORCH[dtype.value], generator=gen) for _ in range(2))
-        k, v = (torch.randn(2, 2, 777, kern.spec.head_dim, device="cuda", dtype=verify._TORCH[dtype.value], generator=gen) for _ in range(2))
+        q, do = (torch.randn(2, 4, 777, kern.spec.head_dim, device="cuda", dtype=TORCH_DTYPES[dtype.value], generator=gen) for _ in range(2))
+        k, v = (torch.randn(2, 2, 777, kern.spec.head_dim, device="cuda", dtype=TORCH_DTYPES[dtype.value], generator=gen) for _ in range(2))
         inputs = verify.make_inputs(kern.spec, 2, 4, 777, 777, "cuda", torch.Generator().manual_seed(1))
         runs = []
         for _ in range(2):

@@ -43,14 +43,14 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     and the sizes are never specialized: one binary serves every size). {kernel name: CompiledKernel}."""
     import torch
 
+    from ...dtypes import TORCH_DTYPES
+
     d = int(module.HEAD_DIM.value)
     q = torch.empty(batch, heads, q_len, d, dtype=dtype)
     k = torch.empty(batch, kv_heads, kv_len, d, dtype=dtype)
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
-    dtypes = {"bool": torch.bool, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
-              "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-    inputs = [torch.zeros([4] * ndim, dtype=dtypes[kind]) for _, kind, ndim in module.INPUTS]  # only their types matter
+    inputs = [torch.zeros([4] * ndim, dtype=TORCH_DTYPES[kind]) for _, kind, ndim in module.INPUTS]  # only their types matter
     warps = {"num_warps": 4, "maxnreg": module.MAXNREG}
     dq = torch.empty(q.shape, dtype=torch.float32)
     stats = module.bwd_stats(batch, heads, q_len, "cpu")
