@@ -199,7 +199,7 @@ class Kernel:
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
         reads = self.plan.read_grads
         if self.generator.backward == "gluon" and not input_grads and _is_sm90(q.device):
-            # the Gluon generator's backward (backend = gluon, deterministic = false); input gradients are the Triton kernels'
+            # the Gluon generator's backward (where the choice gives it: deterministic = false); input gradients are the Triton kernels'
             dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
             return dq, dk, dv, [t.new_empty(0) for t in floats]
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
@@ -337,10 +337,11 @@ def _up(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _as_input_grads(inputs, grads: list, wanted) -> tuple:
-    """One entry per input: the gradient of each float input that `wanted` says needs one (grads holds one per
-    float input, in order), None for the rest."""
-    it = iter(grads)
-    return tuple(next(it) if t.is_floating_point() else None for t in inputs) if any(wanted) else (None,) * len(inputs)
+    """One entry per input: its gradient where `wanted` says it needs one (grads holds one per float input, in
+    order), None for the rest."""
+    floats = iter(grads)
+    per_input = [next(floats) if t.is_floating_point() else None for t in inputs]
+    return tuple(g if w else None for g, w in zip(per_input, wanted))
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -365,8 +366,7 @@ class _AttentionFunction(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, ctx.seed, ctx.block_mask, any(wanted))
-        per_input = _as_input_grads(inputs, grads, wanted)
-        return (None,) * 4 + (dq, dk, dv) + tuple(g if w else None for g, w in zip(per_input, wanted))
+        return (None,) * 4 + (dq, dk, dv) + _as_input_grads(inputs, grads, wanted)
 
 
 class _Ops:
@@ -404,8 +404,7 @@ class _Ops:
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv, grads = self.backward(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, seed, block_mask, any(ctx.wanted))
-        per_input = _as_input_grads(inputs, grads, ctx.wanted)
-        return dq, dk, dv, [g if w else None for g, w in zip(per_input, ctx.wanted)], None, None, None
+        return dq, dk, dv, list(_as_input_grads(inputs, grads, ctx.wanted)), None, None, None
 
 
 def _setup_context(ctx, inputs, output) -> None:
