@@ -57,7 +57,7 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     return {
         "_attn_fwd": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs), warps),
         "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, dq, k, k, *inputs), warps),
-        "_bwd_delta": compile_kernel(module._bwd_delta, (o, o, lse, lse, stats, q_len, stats.shape[2], False, module.DELTA_ROWS), {"num_warps": 4}),
+        "_bwd_delta": compile_kernel(module._bwd_delta, module.delta_launch_args(o, o, lse, None, stats), {"num_warps": 4}),
     }
 
 
