@@ -54,10 +54,11 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     warps = {"num_warps": 4, "maxnreg": module.MAXNREG}
     dq = torch.empty(q.shape, dtype=torch.float32)
     stats = module.bwd_stats(batch, heads, q_len, "cpu")
+    order = module.bwd_order(batch, heads, q_len, kv_len, "cpu")
     return {
         "_attn_fwd": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs), warps),
-        "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, dq, k, k, *inputs), warps),
-        "_bwd_delta": compile_kernel(module._bwd_delta, module.delta_launch_args(o, o, lse, None, stats), {"num_warps": 4}),
+        "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, order, dq, k, k, *inputs), warps),
+        "_bwd_delta": compile_kernel(module._bwd_delta, module.delta_launch_args(o, o, lse, None, stats, order, k, *inputs), {"num_warps": 4}),
     }
 
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                               **ptxas_report(kernel),
                               "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
                               "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
-                              "atomics": sorted(set(re.findall(r"(?:red|atom)\.global[\w.]*", ptx))),
+                              "atomics": sorted(set(re.findall(r"\b(?:red|atom)\.[\w.]+", ptx))),
                               "tma_reduce": sorted(set(re.findall(r"cp\.reduce\.async\.bulk[\w.:]*", ptx))),
                               "cubin_bytes": len(kernel.asm["cubin"])}))
     return 0

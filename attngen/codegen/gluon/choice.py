@@ -63,19 +63,20 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
                   *_choose_backward(spec, backend))
 
 
-# The Gluon backward against the Triton generator's on the H100 (raw launchers, same inputs, bf16, N = 4096 and
-# 16384, dense and causal; BENCHMARKS.md, 2026-11-25, dQ added by TMA reduce-adds): 1.15-1.29x at head_dim 128,
-# 1.07-1.32x at 64 (0.89-1.05x cuDNN's).
-BACKWARD_MEASURED = "1.07-1.32x the Triton backward on the H100"
+# The Gluon backward against the Triton generator's on the H100 (raw launchers, same inputs, bf16, B*N = 16384,
+# H*d = 2048; BENCHMARKS.md, 2026-11-25 (session 4)): with dQ added in a fixed order (a dQ warp adds each part
+# in its turn), 1.01-1.16x at head_dim 128 and 1.26-1.41x at 64 (dense and causal, N = 4096 and 16384); in no
+# fixed order, 1.16-1.31x and 1.21-1.40x.
+BACKWARD_MEASURED = {True: "1.01-1.41x the Triton backward on the H100", False: "1.16-1.40x the Triton backward on the H100"}
 
 
 def _choose_backward(spec: Spec, backend: Backend) -> tuple[str, str]:
-    """The backward of a spec whose forward is Gluon's. Gluon's is faster but adds dQ across key tiles in no
-    fixed order, so its last bits may vary between runs: it is taken only with deterministic = false. Otherwise
-    the Triton generator's, whose gradients are bit-reproducible (the default)."""
+    """The backward of a spec whose forward is Gluon's: Gluon's. With deterministic = true (the default) its
+    programs add into each dQ tile in a fixed order (a dQ warp waits for each addition's turn), so the gradients
+    are bit-reproducible; with deterministic = false in no fixed order, its last bits may vary between runs."""
     if spec.deterministic:
-        return "triton", f"deterministic: the Gluon backward ({BACKWARD_MEASURED}) adds dQ in no fixed order; deterministic = false takes it"
-    return "gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED})"
+        return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})"
+    return "gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})"
 
 
 def slower_than_triton(spec: Spec) -> str | None:
