@@ -284,7 +284,7 @@ def test_cli_build_prints_what_it_wrote(tmp_path, capsys):
     assert main(["build", str(ROOT / "specs" / "dense.attn"), "--target", "h100", "-o", str(tmp_path / "b"), "--no-binaries", "-q"]) == 0
     out = capsys.readouterr().out
     assert f"wrote {tmp_path / 'b' / 'dense_h100.py'}" in out and "no binaries (--no-binaries)" in out
-    assert f"wrote {tmp_path / 'b' / 'dense_h100_gluon.py'}  (the Gluon generator's forward) + no binaries" in out
+    assert f"wrote {tmp_path / 'b' / 'dense_h100_gluon.py'}  (the Gluon generator's forward and backward) + no binaries" in out
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["dense_h100.py", "dense_h100_gluon.py", "manifest.json"]
 
 
