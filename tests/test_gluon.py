@@ -296,3 +296,95 @@ def test_a_head_reads_nothing_of_the_next_one(name, device):
         got = got[:, :1].double()
         assert torch.isfinite(got).all()
         assert (got - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item())
+
+
+_KEY_CHECK = r'''
+import importlib.util, itertools, sys
+import torch
+from attngen.codegen.gluon.binaries import specialize
+
+loaded = importlib.util.spec_from_file_location("gluon_module", sys.argv[1])
+m = importlib.util.module_from_spec(loaded)
+loaded.loader.exec_module(m)
+by_key = {}
+d = m.HEAD_DIM.value
+for dtype, (batch, heads, n), offset, row in itertools.product((torch.bfloat16, torch.float16), [(1, 1, 16), (2, 4, 17), (1, 16, 100), (3, 2, 1)],
+                                                              (0, 1), (128, 129)):
+    q, k, v, o = (torch.zeros(batch, heads, n, d, dtype=dtype) for _ in range(4))
+    lse = torch.zeros(batch * heads * n + 1)[offset:offset + batch * heads * n].view(batch, heads, n)  # offset 1: not 16-byte aligned
+    bias = torch.zeros(heads * row + 1)[offset:offset + heads * row].view(heads, row)[:, :128]  # the input rel: fp32[H, 128], rows `row` apart
+    args = m.launch_args(q, k, v, o, lse, bias)
+    signature, constexprs, attrs, _ = specialize(m._attn_fwd, args, {"num_warps": 4, "maxnreg": m.MAXNREG})
+    by_key.setdefault(tuple(map(m._specialization, args)), set()).add(repr((signature, constexprs, attrs)))
+assert len(by_key) >= 8, len(by_key)
+assert all(len(s) == 1 for s in by_key.values()), [s for s in by_key.values() if len(s) > 1]
+
+# The launcher itself, with the JIT function, the kernel and the driver stood in for (no GPU here)
+import triton
+
+
+class Kernel:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class Jit(triton.runtime.JITFunction):
+    def __init__(self):
+        self.calls, self.kernel = [], Kernel()
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.calls.append((grid, args, options)) or self.kernel
+
+
+class driver:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+
+m.driver, m._attn_fwd = driver, Jit()
+jit = m._attn_fwd
+
+
+def call(dtype=torch.bfloat16, n=300):
+    q, k, v = (torch.randn(2, 4, n, d).to(dtype) for _ in range(3))
+    m.attention_forward(q, k, v, torch.zeros(4, 128))
+    return q
+
+
+call()
+assert len(jit.calls) == 1 and jit.calls[0][0] == (3, 8) and jit.calls[0][2] == {"num_warps": 4, "maxnreg": m.MAXNREG}
+q = call()  # the same specialization: launched directly, on the current stream, the arguments as the JIT got them
+assert len(jit.calls) == 1 and len(jit.kernel.runs) == 1
+run = jit.kernel.runs[0]
+assert run[:9] == (3, 8, 1, 1234, "function", "metadata", None, None, None) and len(run) == 9 + len(jit.calls[0][1])
+assert run[9].base.data_ptr() == q.data_ptr() and run[9].block_shape == jit.calls[0][1][0].block_shape
+call(n=1000)  # other sizes, not specialized on: the same kernel
+assert len(jit.calls) == 1 and len(jit.kernel.runs) == 2 and jit.kernel.runs[1][:2] == (8, 8)
+call(torch.float16)  # another element type: the JIT
+assert len(jit.calls) == 2
+triton.knobs.runtime.launch_enter_hook.add(print)  # a profiler's hook: every call through the JIT, which calls it
+call()
+assert len(jit.calls) == 3 and len(jit.kernel.runs) == 2
+print(len(by_key))
+'''
+
+
+def test_the_launcher_reuses_a_kernel_only_for_arguments_triton_specializes_alike(tmp_path):
+    """After the first call, a Gluon module's _Launcher launches the kernel it keeps for the arguments' key
+    (_specialization of each), without Triton's JIT binding them. So equal keys must mean equal specializations:
+    Triton's own binder for sm_90 (no GPU needed) over calls that differ in dtype, in sizes equal to 1 or
+    multiples of 16 or neither, and in a pointer's 16-byte alignment gives one specialization per key. Then the
+    launcher with the JIT function, kernel and driver stood in for: the JIT on a new key or with a launch hook
+    set, else the kept kernel, launched with the JIT's arguments on the current stream."""
+    path = tmp_path / "relative_bias_gluon.py"
+    path.write_text(render(plan_gluon(plan(_spec("relative_bias"), "h100"))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the binder of real Triton
+    run = subprocess.run([sys.executable, "-c", _KEY_CHECK, str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(run.stdout.split()[-1]) >= 8
