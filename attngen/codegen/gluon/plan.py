@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...plan import KernelPlan, Step
-from ...spec import DType, LoopOrder, Spec
+from ...spec import DType, Expr, LoopOrder, Spec
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
 HEAD_DIMS = (64, 128)  # the head dims its kernels are written for (wgmma's K step is 16; 256 needs a smaller ring)
@@ -35,6 +35,9 @@ class GluonPlan:
     load_regs: int
     consumer_regs: int
     steps: tuple[Step, ...]
+    # the forward walks only the key tiles its mask does not prove empty (True for a block pattern, which leaves
+    # holes between the first and the last kept tile); else the whole range between them, with no branch
+    skip_empty: bool = False
     # the backward: one program per bwd_block_n keys (a half per consumer warpgroup), query tiles of bwd_block_m
     # rows through a ring of bwd_stages Q/dO stages; each warpgroup computes half of every dQ tile ("d": half of
     # its columns, "m": half of its rows: the halves that cut shared memory at a 128-byte swizzle boundary)
@@ -111,8 +114,12 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     consumer_regs = min(240, (REGISTERS_PER_SM // 128 - LOAD_REGS) // consumers // 8 * 8)
     steps.append(Step("registers", f"{REGISTERS_PER_SM} / {threads} threads = {cap} at entry; load keeps {LOAD_REGS}, consumers get "
                                    f"min(240, ({REGISTERS_PER_SM // 128} - {LOAD_REGS}) / {consumers})", f"{consumer_regs}"))
+    skip_empty = isinstance(spec.sparsity, Expr) and base.classify
+    steps.append(Step("key tiles visited", "a block pattern (sparsity = ...) leaves holes: only those not proved empty" if skip_empty else
+                      "the range from the first to the last not proved empty (no holes in it: no branch)",
+                      "not proved empty" if skip_empty else "range"))
     bwd = _plan_backward(base, consumer_regs)
-    return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), **bwd)
+    return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), skip_empty, **bwd)
 
 
 def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:

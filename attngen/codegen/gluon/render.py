@@ -63,6 +63,7 @@ def context(gp: GluonPlan) -> dict:
         "outer": [translate(s) for s in fwd.outer],
         "helpers": gluon_helpers(helpers),
         "tile_class": tile_class,
+        "skip_empty": gp.skip_empty and tile_class is not None,  # the forward skips the holes of a block pattern
         "inputs": [_Input(i.name, i.dtype, len(i.dims)) for i in spec.inputs],
         "dkdv": KernelCode([translate(s) for s in dkdv.outer], [translate(s) for s in dkdv.inner], translate(dkdv.mask),
                            translate(dkdv.score), translate(dkdv.dscore), []),
