@@ -198,8 +198,8 @@ class Kernel:
                                                              block_mask, input_grads)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
         reads = self.plan.read_grads
-        if self.generator.backward == "gluon" and not input_grads and _is_sm90(q.device):
-            # the Gluon generator's backward (where the choice gives it: deterministic = false); input gradients are the Triton kernels'
+        if self.generator.backward_for(dims.kv_len) == "gluon" and not input_grads and _is_sm90(q.device):
+            # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py); input gradients are the Triton kernels'
             dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
             return dq, dk, dv, [t.new_empty(0) for t in floats]
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)

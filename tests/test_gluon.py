@@ -131,6 +131,11 @@ def test_which_generator_renders_the_backward():
         c = choose(free, plan(free, "h100"), backend)
         assert (c.generator, c.backward) == ("gluon", "gluon") and "last bits may vary" in c.backward_reason
         assert "1.16-1.40x the Triton backward" in c.backward_reason
+    # under auto, calls with fewer than 3072 keys take the Triton backward (measured faster there); backend = gluon: all
+    for backend, short in ((None, "triton"), (Backend.AUTO, "triton"), (Backend.GLUON, "gluon")):
+        c = choose(spec, plan(spec, "h100"), backend)
+        assert (c.backward_for(1024), c.backward_for(3071), c.backward_for(3072), c.backward_for(65536)) == (short, short, "gluon", "gluon")
+        assert ("from 3072 keys; below, the Triton backward" in c.describe()) == (short == "triton")
     assert choose(_spec("causal", head_dim=64), plan(_spec("causal", head_dim=64), "h100")).backward == "triton"  # Triton forward
     assert choose(free, plan(free, "h100"), Backend.TRITON).backward == "triton"
     assert attngen.compile(free, "h100").generator.backward == "gluon"

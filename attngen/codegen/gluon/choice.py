@@ -27,12 +27,19 @@ class Choice:
     gluon: GluonPlan | None = None
     backward: str = "triton"  # the generator of the backward ("gluon" only with a Gluon forward: one module)
     backward_reason: str = ""
+    backward_min_keys: int = 0  # calls with fewer keys take the Triton backward (auto: measured faster there)
+
+    def backward_for(self, kv_len: int) -> str:
+        """The generator of a call's backward, by its number of keys."""
+        return "triton" if self.backward == "gluon" and kv_len < self.backward_min_keys else self.backward
 
     def describe(self) -> str:
         """`attngen plan`'s line: which generator renders each pass, and why."""
         line = f"{self.generator} forward ({self.reason})"
         if self.generator == "gluon":
             line += f"; {self.backward} backward ({self.backward_reason})"
+        if self.backward_for(0) != self.backward:
+            line += f", from {self.backward_min_keys} keys; below, the Triton backward ({SHORT_BACKWARD_MEASURED})"
         return line
 
 
@@ -68,15 +75,24 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
 # in its turn), 1.01-1.16x at head_dim 128 and 1.26-1.41x at 64 (dense and causal, N = 4096 and 16384); in no
 # fixed order, 1.16-1.31x and 1.21-1.40x.
 BACKWARD_MEASURED = {True: "1.01-1.41x the Triton backward on the H100", False: "1.16-1.40x the Triton backward on the H100"}
+# ... but not on short sequences: the raw launchers in one process, alternating (the same conditions; BENCHMARKS.md,
+# 2026-11-25 (session 5)), the ordered Gluon backward ÷ the Triton backward was 0.86 / 0.83 (dense / causal) at
+# N = 1024, 1.02 / 0.95 at 2048, 1.06 / 1.02 at 3072, 1.11 / 1.04 at 4096 (d = 128). So under auto a call with fewer
+# keys takes the Triton backward (bit-reproducible too; it reads the Gluon forward's O and lse as they are).
+AUTO_BACKWARD_MIN_KEYS = 3072
+SHORT_BACKWARD_MEASURED = "the Gluon backward measured 0.83-1.02x of it at 1024-2048 keys on the H100"
 
 
-def _choose_backward(spec: Spec, backend: Backend) -> tuple[str, str]:
-    """The backward of a spec whose forward is Gluon's: Gluon's. With deterministic = true (the default) its
-    programs add into each dQ tile in a fixed order (a dQ warp waits for each addition's turn), so the gradients
-    are bit-reproducible; with deterministic = false in no fixed order, its last bits may vary between runs."""
+def _choose_backward(spec: Spec, backend: Backend) -> tuple[str, str, int]:
+    """The backward of a spec whose forward is Gluon's: Gluon's (under auto, for calls of at least
+    AUTO_BACKWARD_MIN_KEYS keys). With deterministic = true (the default) its programs add into each dQ tile in a
+    fixed order (a dQ warp waits for each addition's turn), so the gradients are bit-reproducible; with
+    deterministic = false in no fixed order, its last bits may vary between runs."""
+    min_keys = AUTO_BACKWARD_MIN_KEYS if backend is Backend.AUTO else 0
     if spec.deterministic:
-        return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})"
-    return "gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})"
+        return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})", min_keys
+    return ("gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})",
+            min_keys)
 
 
 def slower_than_triton(spec: Spec) -> str | None:
