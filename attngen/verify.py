@@ -61,7 +61,7 @@ def make_inputs(spec, batch: int, heads: int, q_len: int, kv_len: int, device, g
                 t = torch.randint(0, kv_len + 1, shape, generator=generator)
             else:
                 t = torch.randint(0, max(1, shape[-1] // 16) + 1, shape, generator=generator).sort(dim=-1).values
-            t = t.to(getattr(torch, kind))
+            t = t.to(TORCH_DTYPES[kind])
         else:
             t = torch.randn(shape, generator=generator).to(TORCH_DTYPES[kind])
         out[decl.name] = t.to(device)

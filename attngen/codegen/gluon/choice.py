@@ -38,7 +38,7 @@ class Choice:
         line = f"{self.generator} forward ({self.reason})"
         if self.generator == "gluon":
             line += f"; {self.backward} backward ({self.backward_reason})"
-        if self.backward_for(0) != self.backward:
+        if self.backward == "gluon" and self.backward_min_keys:
             line += f", from {self.backward_min_keys} keys; below, the Triton backward ({SHORT_BACKWARD_MEASURED})"
         return line
 
