@@ -115,6 +115,11 @@ def test_the_forward_skips_the_holes_of_a_block_pattern():
         assert gp.skip_empty == holes and ("def _next_tile(" in source) == holes, name
         assert ("not proved empty" if holes else "the range from the first") in gp.describe(), name
         assert source.count("_next_tile(") == (4 if holes else 0), name  # its definition, the load warp, the consumer (twice)
+        # the pattern's blocks (64) are smaller than the tiles (128): classes per 64 x 64 piece, where q_blk and
+        # kv_blk are single values, so `q_blk ^ kv_blk` is exact (over a whole tile it has no useful bounds)
+        assert gp.class_piece == (64 if holes else 0) and ("def _piece_class(" in source) == holes, name
+        assert ("64 x 64 pieces" in gp.describe()) == holes, name
+        assert ("piece_full & kv_full" in source) == holes, name  # the backward's consumers classify a tile once
 
 
 def test_which_generator_renders_the_backward():

@@ -38,6 +38,10 @@ class GluonPlan:
     # the forward walks only the key tiles its mask does not prove empty (True for a block pattern, which leaves
     # holes between the first and the last kept tile); else the whole range between them, with no branch
     skip_empty: bool = False
+    # a block pattern's tile classes are exact only over one sparse block (q_blk, kv_blk single values; interval
+    # arithmetic cannot bound `q_blk ^ kv_blk` over several): tiles larger than this many tokens are classified
+    # piece by piece (0: whole tiles)
+    class_piece: int = 0
     # the backward: one program per bwd_block_n keys (a half per consumer warpgroup), query tiles of bwd_block_m
     # rows through a ring of bwd_stages Q/dO stages; each warpgroup computes half of every dQ tile ("d": half of
     # its columns, "m": half of its rows: the halves that cut shared memory at a 128-byte swizzle boundary)
@@ -119,7 +123,11 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
                       "the range from the first to the last not proved empty (no holes in it: no branch)",
                       "not proved empty" if skip_empty else "range"))
     bwd = _plan_backward(base, consumer_regs)
-    return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), skip_empty, **bwd)
+    piece = 0
+    if isinstance(spec.sparsity, Expr) and base.classify and max(consumers * M_PER_WARPGROUP, block_n, bwd["bwd_block_m"], bwd["bwd_block_n"]) > spec.sparse_block:
+        piece = spec.sparse_block
+        steps.append(Step("tile classes", f"per sparse_block x sparse_block piece of a tile, where q_blk and kv_blk are single values (tiles {max(block_n, bwd['bwd_block_n'])} > {spec.sparse_block})", f"{piece} x {piece} pieces"))
+    return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), skip_empty, piece, **bwd)
 
 
 def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
