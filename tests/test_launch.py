@@ -1,0 +1,174 @@
+"""attngen.launch: the generated modules' launches without Triton's JIT dispatch. After a specialization's first
+call, a Launcher launches the kernel it kept for the call's key. That is right only if equal keys mean equal
+specializations, which Triton's own binder for sm_90 decides here (no GPU needed), for a kernel of each
+generator; and the Launcher itself, with the JIT function, the kernel and the driver stood in for."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+import attngen.launch as launch
+from attngen.codegen import triton as triton_generator
+from attngen.codegen.gluon import plan_gluon, render
+from attngen.plan import plan
+from tests.test_gluon import _spec
+
+# Runs in a process of its own without TRITON_INTERPRET: the interpreter has no binder. argv: the Gluon module,
+# the Triton generator's module. Prints the number of distinct keys of each kernel.
+_KEY_CHECK = r'''
+import importlib.util, itertools, sys
+import torch
+from attngen.codegen.gluon.binaries import specialize
+from attngen.launch import specialization
+
+
+def load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check(by_key, name):
+    assert all(len(s) == 1 for s in by_key.values()), (name, [s for s in by_key.values() if len(s) > 1])
+    print(name, len(by_key))
+
+
+def record(fn, args, kwargs, by_key):
+    signature, constexprs, attrs, _ = specialize(fn, args, kwargs)
+    key = (tuple(kwargs.items()), *map(specialization, args))
+    by_key.setdefault(key, set()).add(repr((signature, constexprs, attrs)))
+
+
+def shapes():
+    """Calls that differ in sizes equal to 1 or multiples of 16 or neither, and in an input's 16-byte alignment."""
+    return itertools.product([(1, 1, 16), (2, 4, 17), (1, 16, 100), (3, 2, 1)], (0, 1), (128, 129))
+
+
+def bias(heads, row, offset):
+    return torch.zeros(heads * row + 1)[offset:offset + heads * row].view(heads, row)[:, :128]  # fp32[H, 128], rows `row` apart
+
+
+# 1. the Gluon module's forward: its arguments as its launcher gets them
+m = load(sys.argv[1], "gluon_module")
+d = m.HEAD_DIM.value
+by_key = {}
+for dtype, ((batch, heads, n), offset, row) in itertools.product((torch.bfloat16, torch.float16), shapes()):
+    q, k, v, o = (torch.zeros(batch, heads, n, d, dtype=dtype) for _ in range(4))
+    lse = torch.zeros(batch * heads * n + 1)[offset:offset + batch * heads * n].view(batch, heads, n)  # offset 1: not aligned
+    record(m._attn_fwd, m.launch_args(q, k, v, o, lse, bias(heads, row, offset)), {"num_warps": 4, "maxnreg": m.MAXNREG}, by_key)
+check(by_key, "gluon _attn_fwd")
+
+# 2. the Triton generator's kernels: what attention_forward and attention_backward pass them (positional
+# arguments, constexprs and launch options by keyword), caught by stand-ins, with the plan's tiles and others
+t = load(sys.argv[2], "triton_module")
+names = ("_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dq", "_attn_bwd_dkdv")
+real = {name: getattr(t, name) for name in names}
+calls = []
+
+
+class Catch:
+    def __init__(self, name):
+        self.name = name
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: calls.append((self.name, args, kwargs))
+
+
+for name in names:
+    setattr(t, name, Catch(name))
+other = {kernel: dict(config, num_stages=1) for kernel, config in t.TILES.items()}
+for tiles, ((batch, heads, n), offset, row) in itertools.product((t.TILES, other), shapes()):
+    q, k, v = (torch.zeros(batch, heads, n, d, dtype=torch.bfloat16) for _ in range(3))
+    o, lse = t.attention_forward(q, k, v, bias(heads, row, offset), tiles=tiles)
+    t.attention_backward(q, k, v, o, lse, torch.zeros_like(o), None if offset else torch.zeros_like(lse), bias(heads, row, offset), tiles=tiles)
+for name in names:
+    by_key = {}
+    for _, args, kwargs in (c for c in calls if c[0] == name):
+        record(real[name], args, kwargs, by_key)
+    check(by_key, "triton " + name)
+'''
+
+
+@pytest.mark.slow  # Triton's binder in a process of its own: about 10 s
+def test_equal_keys_mean_equal_specializations(tmp_path):
+    """The key (each positional argument's `specialization`, the keyword arguments by value) never joins calls
+    Triton's binder specializes differently, for the Gluon forward and the Triton generator's four kernels; and
+    the calls above reach several keys, so the check is not vacuous."""
+    gluon_path = tmp_path / "relative_bias_gluon.py"
+    gluon_path.write_text(render(plan_gluon(plan(_spec("relative_bias"), "h100"))))
+    triton_path = tmp_path / "relative_bias_triton.py"
+    triton_path.write_text(triton_generator.build_source(plan(_spec("relative_bias"), "h100"))[1])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _KEY_CHECK, str(gluon_path), str(triton_path)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = dict(line.rsplit(" ", 1) for line in run.stdout.splitlines())
+    assert set(counts) == {"gluon _attn_fwd", "triton _attn_fwd", "triton _attn_bwd_delta", "triton _attn_bwd_dq", "triton _attn_bwd_dkdv"}
+    assert int(counts["gluon _attn_fwd"]) >= 8 and all(int(n) >= 4 for n in counts.values()), counts
+
+
+class _Kernel:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _Jit(triton.runtime.JITFunction):
+    """A JIT function's stand-in: records its calls, returns one kernel; its parameters are (x, n, BLOCK, FLAG=7)."""
+
+    def __init__(self):
+        self.calls, self.kernel = [], _Kernel()
+        self.params = [type("Param", (), {"name": name, "default": default})() for name, default in
+                       (("x", None), ("n", None), ("BLOCK", None), ("FLAG", 7))]
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs)) or self.kernel
+
+
+class _Driver:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+
+def test_the_launcher_launches_a_kept_kernel_for_an_equal_key(monkeypatch):
+    """The JIT on a key's first call, with a launch hook set, or where the kernel is not a JITFunction (the
+    interpreter, a bundle's recorder); else the kept kernel, launched on the current stream with the JIT's
+    arguments: the positional ones, then the keyword ones and the defaults in parameter order."""
+    monkeypatch.setattr(launch, "driver", _Driver)
+    namespace = {"_k": _Jit()}
+    jit = namespace["_k"]
+    launcher = launch.Launcher(namespace, "_k", num_warps=4)
+    x = torch.zeros(64)
+    launcher((3, 2), x, 100, BLOCK=64)
+    assert jit.calls == [((3, 2), (x, 100), {"num_warps": 4, "BLOCK": 64})] and not jit.kernel.runs
+    launcher((5,), x, 200, BLOCK=64)  # sizes not specialized on: the kept kernel
+    assert len(jit.calls) == 1 and jit.kernel.runs == [(5, 1, 1, 1234, "function", "metadata", None, None, None, x, 200, 64, 7)]
+    launcher((5,), x, 200, BLOCK=128)  # another constexpr: the JIT
+    launcher((5,), x, 1, BLOCK=64)  # n == 1 is specialized on: the JIT
+    launcher((5,), x[1:], 200, BLOCK=64)  # a pointer not 16-byte aligned: the JIT
+    launcher((5,), x.half(), 200, BLOCK=64)  # another element type: the JIT
+    assert len(jit.calls) == 5 and len(jit.kernel.runs) == 1
+    launcher((5,), x, 208, BLOCK=64)  # 208 % 16 == 0 is specialized on: the JIT
+    assert len(jit.calls) == 6
+    hooks = triton.knobs.runtime.launch_enter_hook
+    hooks.add(print)  # a profiler's hook: every call through the JIT, which calls it
+    try:
+        launcher((5,), x, 200, BLOCK=64)
+    finally:
+        hooks.remove(print)
+    assert len(jit.calls) == 7 and len(jit.kernel.runs) == 1
+    launcher((5,), x, 200, BLOCK=64)
+    assert len(jit.kernel.runs) == 2
+    recorded = []
+    namespace["_k"] = type("Recorder", (), {"__getitem__": lambda self, grid: lambda *a, **k: recorded.append((grid, a, k))})()
+    launcher((5,), x, 200, BLOCK=64)  # a stand-in put in the module (attngen.bundle's recorders) is what runs
+    assert recorded == [((5,), (x, 200), {"num_warps": 4, "BLOCK": 64})] and len(jit.kernel.runs) == 2
