@@ -62,6 +62,7 @@ class Kernel:
         self._direct_indices = _direct_indices(spec)
         # `auto` tiles (attngen/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
+        self._passed: dict[tuple, _Dims] = {}  # what passed _check: see there
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
         self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _twin
         # The torch.library ops of compiled calls (about 2 ms to register; torch.compile cannot trace a registration)
@@ -79,7 +80,28 @@ class Kernel:
     # -- call-time checks
     def _check(self, q, k, v, inputs: dict) -> tuple[_Dims, list[torch.Tensor]]:
         """The call's sizes and its declared inputs in order; an InputError for anything the spec does not allow.
-        (The device is checked where the work starts, _forward_impl: torch.compile cannot trace that check.)"""
+        (The device is checked where the work starts, _forward_impl: torch.compile cannot trace that check.)
+        What the checks read is each tensor's shape, element type and device and the inputs' names, so a call
+        alike in those to one that passed skips them (a third of the checks' host time). Not while torch.compile
+        traces the call: it runs the checks once per graph, and the memo would only add guards."""
+        if torch.compiler.is_compiling():
+            return self._check_all(q, k, v, inputs)
+        try:
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                   *[(name, t.shape, t.dtype, t.device) for name, t in inputs.items()])
+        except AttributeError:  # not tensors: the checks below say which
+            key = None
+        dims = self._passed.get(key)
+        if dims is not None:
+            return dims, [inputs[d.name] for d in self.spec.inputs]
+        dims, ordered = self._check_all(q, k, v, inputs)
+        if key is not None:
+            if len(self._passed) >= 256:  # many shapes (lengths varying call by call): start again
+                self._passed.clear()
+            self._passed[key] = dims
+        return dims, ordered
+
+    def _check_all(self, q, k, v, inputs: dict) -> tuple[_Dims, list[torch.Tensor]]:
         spec = self.spec
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -164,6 +186,8 @@ class Kernel:
         self._check_block_mask(block_mask)
         if compiling:
             o, lse2 = self._ops().forward(q, k, v, tensors, p, seed_t, block_mask)
+        elif not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(t.requires_grad for t in tensors))):
+            o, lse2 = self._forward_impl(q, k, v, tensors, p, seed_t, block_mask)  # nothing to differentiate: no autograd node
         else:
             o, lse2 = _AttentionFunction.apply(self, p, seed_t, block_mask, q, k, v, *tensors)
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward

@@ -68,8 +68,12 @@ def test_compile_errors():
     ],
 )
 def test_bad_calls_say_what_was_expected(padded, mutate, message):
+    """Also after a good call of the same sizes: what passed the checks is remembered by each tensor's shape,
+    element type and device (Kernel._check), which must never let another call skip them."""
     q, k, v = _qkv()
-    q, k, v, inputs = mutate(q, k, v, {"lens": torch.tensor([3, 11], dtype=torch.int32, device=q.device)})
+    good = {"lens": torch.tensor([3, 11], dtype=torch.int32, device=q.device)}
+    assert padded._check(q, k, v, good)[0].q_len == 9 and padded._passed
+    q, k, v, inputs = mutate(q, k, v, good)
     with pytest.raises(InputError, match=message):
         padded(q, k, v, **inputs)
 
