@@ -200,13 +200,13 @@ class Kernel:
         dims = _dims_of(q, k)
         if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
             return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+        if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
+            return self.gluon.attention_forward(q, k, v, *inputs)
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
             o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask)
             return o.to(torch.bfloat16), lse
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
         with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
-            if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
-                return self.gluon.attention_forward(q, k, v, *inputs)
             return self._triton_forward(dims, extra, q, k, v, inputs)
 
     def _backward_impl(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask,

@@ -29,19 +29,30 @@ import attngen  # noqa: E402
 from attngen.dtypes import TORCH_DTYPES  # noqa: E402
 
 
-def per_call_us(fn, calls: int) -> float:
+def per_call_us(rows: dict, calls: int) -> dict:
+    """Median host us per call of each function in rows {name: fn}, the rounds of every row interleaved (hosts
+    drift: rows timed one after another were not comparable on the GPU machine)."""
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    for _ in range(min(1000, calls)):
-        fn()
-    rounds = []
-    for _ in range(5):
-        sync()
-        t = time.perf_counter()
-        for _ in range(calls):
+    for fn in rows.values():
+        for _ in range(min(1000, calls)):
             fn()
-        sync()
-        rounds.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(rounds)
+    rounds = {name: [] for name in rows}
+    for _ in range(5):
+        for name, fn in rows.items():
+            sync()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            rounds[name].append((time.perf_counter() - t) / calls * 1e6)
+    return {name: statistics.median(r) for name, r in rounds.items()}
+
+
+def _with_grad(grad: bool, fn):
+    def run():
+        with torch.set_grad_enabled(grad):  # about 1 us of the eager rows' time
+            fn()
+    return run
 
 
 def main():
@@ -54,15 +65,22 @@ def main():
     rows = {}
     for grad in (True, False):
         leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
-        with torch.set_grad_enabled(grad):
-            rows[f"eager call (autograd.Function), grad={grad}"] = per_call_us(lambda: kern(*leaves), args.calls)
-            rows[f"custom op (torch.compile's), grad={grad}"] = per_call_us(lambda: ops.forward(*leaves, [], 0.0, None, None), args.calls)
+        what = "eager call (autograd.Function)" if grad else "eager call (no autograd node)"
+        rows[f"{what}, grad={grad}"] = _with_grad(grad, lambda leaves=leaves: kern(*leaves))
+        rows[f"custom op (torch.compile's), grad={grad}"] = _with_grad(grad, lambda leaves=leaves: ops.forward(*leaves, [], 0.0, None, None))
     if args.device == "cuda":
-        rows["generated launcher alone"] = per_call_us(lambda: kern.module.attention_forward(q, k, v), args.calls)
+        rows["generated launcher alone"] = lambda: kern.module.attention_forward(q, k, v)
         if kern.gluon is not None:
-            rows["Gluon launcher alone"] = per_call_us(lambda: kern.gluon.attention_forward(q, k, v), args.calls)
+            g = kern.gluon
+            rows["Gluon launcher alone"] = lambda: g.attention_forward(q, k, v)
+            # the launch itself, outputs allocated once: through attngen.launch and through Triton's JIT dispatch
+            o, lse = torch.empty_like(q), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+            grid = g.grid(n, 1, 1)
+            rows["Gluon kernel: attngen.launch.Launcher"] = lambda: g._FORWARD(grid, *g.launch_args(q, k, v, o, lse))
+            rows["Gluon kernel: Triton's JIT (fn[grid](...))"] = lambda: g._attn_fwd[grid](*g.launch_args(q, k, v, o, lse), **g._FORWARD.options)
+    rows = per_call_us(rows, args.calls)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (no kernel runs: Nq = 0)"
-    print(f"host time per call, us ({name}; torch {torch.__version__}; median of 5 rounds of {args.calls})")
+    print(f"host time per call, us ({name}; torch {torch.__version__}; median of 5 interleaved rounds of {args.calls})")
     for what, us in rows.items():
         print(f"  {what:<45} {us:8.1f}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...intervals import TileClass, classify_tiles
 from ...plan import KernelPlan, Step
 from ...spec import DType, Expr, LoopOrder, Spec
 
@@ -23,6 +24,11 @@ M_PER_WARPGROUP = 64
 REGISTERS_PER_SM = 65536
 LOAD_REGS = 24  # registers per thread the load warpgroup keeps (setmaxnreg.dec): it only issues TMA copies
 MAX_STAGES = 4
+# A block pattern's tiles are classified by pieces of sparse_block tokens where that proves this share of all tiles
+# empty beyond what whole tiles prove, at PIECES_PROBE_N tokens (butterfly_blocks: 69 % more; local_global and
+# strided_blocks: none, and the pieces' code made them 1.3-1.6x slower on the H100)
+PIECES_MIN_GAIN = 0.05
+PIECES_PROBE_N = 2048
 SMEM_RESERVE = 1024  # mbarriers and Gluon's scratch
 
 
@@ -125,9 +131,25 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     bwd = _plan_backward(base, consumer_regs)
     piece = 0
     if isinstance(spec.sparsity, Expr) and base.classify and max(consumers * M_PER_WARPGROUP, block_n, bwd["bwd_block_m"], bwd["bwd_block_n"]) > spec.sparse_block:
-        piece = spec.sparse_block
-        steps.append(Step("tile classes", f"per sparse_block x sparse_block piece of a tile, where q_blk and kv_blk are single values (tiles {max(block_n, bwd['bwd_block_n'])} > {spec.sparse_block})", f"{piece} x {piece} pieces"))
+        whole, pieces, total = _empty_tiles(base, consumers * M_PER_WARPGROUP, block_n, spec.sparse_block)
+        piece = spec.sparse_block if pieces - whole >= PIECES_MIN_GAIN * total else 0
+        steps.append(Step("tile classes", f"by {spec.sparse_block} x {spec.sparse_block} pieces where that proves >= {PIECES_MIN_GAIN:.0%} more tiles empty "
+                                          f"(N={PIECES_PROBE_N}: {pieces} of {total} by pieces, {whole} whole)",
+                          f"{piece} x {piece} pieces" if piece else "whole tiles"))
     return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), skip_empty, piece, **bwd)
+
+
+def _empty_tiles(base: KernelPlan, block_m: int, block_n: int, piece: int) -> tuple[int, int, int]:
+    """(tiles proved empty whole, tiles whose every piece is proved empty, all tiles) of the forward's tiles at
+    PIECES_PROBE_N tokens: what classifying by pieces gains for this mask (its cost, a loop over the pieces of
+    the tiles left partial, showed in every pattern measured: BENCHMARKS.md, 2026-11-25 session 6)."""
+    n = PIECES_PROBE_N
+    whole = classify_tiles(base.mask, n, n, block_m, block_n)
+    small = classify_tiles(base.mask, n, n, piece, piece)
+    rm, rn = block_m // piece, block_n // piece
+    pieces = sum(all(small[i * rm + a][j * rn + c] is TileClass.EMPTY for a in range(rm) for c in range(rn))
+                 for i in range(len(whole)) for j in range(len(whole[0])))
+    return sum(c is TileClass.EMPTY for row in whole for c in row), pieces, len(whole) * len(whole[0])
 
 
 def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
