@@ -109,7 +109,8 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
 
 
 def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype: torch.dtype | None = None,
-              return_lse: bool = False, dropout_p: float = 0.0, seed: int | None = None, **inputs: torch.Tensor):
+              return_lse: bool = False, dropout_p: float = 0.0, seed: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None, **inputs: torch.Tensor):
     """Naive attention for `spec` (a Spec or a compiled kernel). Differentiable with torch autograd.
     With dropout_p > 0 (and the seed given to the kernel), probabilities are multiplied by
     attngen.dropout_mask(seed, ...) / (1 - attngen.dropout_probability(dropout_p)): the kernels' exact pattern
@@ -118,8 +119,16 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D). Computes in `dtype` (default: float64 on CPU, float32 on
     CUDA) and returns the output in that dtype, plus the row log-sum-exp (natural log, -inf for a row that
     keeps no key) when return_lse. Rows that keep no key give 0.
+
+    Packed sequences (cu_seqlens_q and cu_seqlens_k, as the kernels take them): q (total_q, Hq, D), k and v
+    (total_k, Hkv, D); each sequence is computed on its own, with b = its index; O is (total_q, Hq, D) and the
+    lse (Hq, total_q).
     """
     dtype = dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if dropout_p > 0.0:
+            raise ValueError("reference: dropout with packed sequences is not supported")
+        return _packed_reference(getattr(spec, "spec", spec), q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dtype, return_lse, inputs)
     p, lse = _softmax(getattr(spec, "spec", spec), q, k, dtype, inputs)
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -140,13 +149,31 @@ def probabilities(spec, q: torch.Tensor, k: torch.Tensor, *, dtype: torch.dtype 
     return _softmax(getattr(spec, "spec", spec), q, k, dtype or (torch.float64 if q.device.type == "cpu" else torch.float32), inputs)[0]
 
 
-def score_env(score: torch.Tensor) -> dict:
+def _packed_reference(spec, q, k, v, cq: list[int], ck: list[int], dtype, return_lse: bool, inputs):
+    outs, lses = [], []
+    for i in range(len(cq) - 1):
+        qs, ks, vs = (t[lo:hi].transpose(0, 1)[None] for t, lo, hi in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1])))
+        if ks.shape[2] == 0:  # no key: O = 0, lse = -inf
+            outs.append(torch.zeros(qs.shape[2], qs.shape[1], qs.shape[3], dtype=dtype, device=q.device))
+            lses.append(torch.full((qs.shape[1], qs.shape[2]), float("-inf"), dtype=dtype, device=q.device))
+            continue
+        p, lse = _softmax(spec, qs, ks, dtype, inputs, first_batch=i)
+        group = qs.shape[1] // vs.shape[1]
+        out = torch.matmul(p, vs.to(dtype).repeat_interleave(group, dim=1))
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=dtype)
+    lse = torch.cat(lses, dim=1) if lses else torch.zeros(q.shape[1], 0, dtype=dtype, device=q.device)
+    return (out, lse) if return_lse else out
+
+
+def score_env(score: torch.Tensor, first_batch: int = 0) -> dict:
     """The variables of a score expression for scores of shape (B, H, Nq, Nk): b, h, q_idx, kv_idx as
-    broadcasting index tensors, the lengths, and `score`."""
+    broadcasting index tensors, the lengths, and `score`. b counts from first_batch (a packed sequence's index)."""
     B, H, Nq, Nk = score.shape
     dev = score.device
     return {
-        "b": torch.arange(B, device=dev).view(B, 1, 1, 1),
+        "b": torch.arange(first_batch, first_batch + B, device=dev).view(B, 1, 1, 1),
         "h": torch.arange(H, device=dev).view(1, H, 1, 1),
         "q_idx": torch.arange(Nq, device=dev).view(1, 1, Nq, 1),
         "kv_idx": torch.arange(Nk, device=dev).view(1, 1, 1, Nk),
@@ -156,7 +183,7 @@ def score_env(score: torch.Tensor) -> dict:
     }
 
 
-def _softmax(spec, q, k, dtype, inputs):
+def _softmax(spec, q, k, dtype, inputs, first_batch: int = 0):
     """(P, row log-sum-exp) of the spec's scores and mask, in `dtype`."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -167,7 +194,7 @@ def _softmax(spec, q, k, dtype, inputs):
     dev = q.device
     qk = torch.matmul(qf, kf.transpose(-1, -2))
     score = qk * spec.softmax_scale
-    env = score_env(score)
+    env = score_env(score, first_batch)
     scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
     if spec.score is not None:
         score = torch.as_tensor(evaluate(spec.score, env, inputs, scope, dtype), device=dev).to(dtype)

@@ -28,7 +28,7 @@ from .naive import evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
 from .ranges import MAX_EXTENT
-from .spec import Backend, DType, Index, Spec, Var
+from .spec import Backend, DType, Index, LoopOrder, Spec, Var
 from .tune import Tuner
 from .tune import bucket as tune_bucket
 
@@ -101,7 +101,9 @@ class Kernel:
             self._passed[key] = dims
         return dims, ordered
 
-    def _check_all(self, q, k, v, inputs: dict) -> tuple[_Dims, list[torch.Tensor]]:
+    def _check_all(self, q, k, v, inputs: dict, varlen=None) -> tuple[_Dims, list[torch.Tensor]]:
+        """_check's checks. With packed sequences (varlen), q, k, v are (1, H, total rows, D) views and the batch
+        and lengths the expressions and inputs see are the number of sequences and the longest ones."""
         spec = self.spec
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -118,7 +120,7 @@ class Kernel:
         B, Hq, Nq, _ = q.shape
         if k.shape != v.shape:
             raise InputError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.shape[0] != B:
+        if k.shape[0] != B and varlen is None:
             raise InputError(f"q has batch {B}, k and v have {k.shape[0]}")
         Hkv, Nk = k.shape[1], k.shape[2]
         if Hq == 0 or Hkv == 0:
@@ -128,6 +130,8 @@ class Kernel:
         for what, n in (("batch size", B), ("number of query heads", Hq), ("query length", Nq), ("key length", Nk)):
             if n >= MAX_EXTENT:  # the integer analysis of the spec's expressions (ranges.py) assumes less
                 raise InputError(f"the {what} is {n}; attngen supports at most {MAX_EXTENT - 1} (2**30 - 1)")
+        if varlen is not None:
+            B, Nq, Nk = varlen[0].numel() - 1, varlen[2], varlen[3]
         dims = _Dims(B, Hq, Hkv, Nq, Nk)
 
         declared = [d.name for d in spec.inputs]
@@ -172,55 +176,126 @@ class Kernel:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False,
                  dropout_p: float | None = None, seed: int | None = None, block_mask: torch.Tensor | None = None,
-                 **inputs: torch.Tensor):
+                 cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                 max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, **inputs: torch.Tensor):
         """O (and the natural-log row log-sum-exp with return_lse). Dropout: `dropout_p` overrides the spec's
         `dropout` (0.0 at evaluation); `seed` (default: drawn from torch's CPU generator, so torch.manual_seed
         makes runs repeatable, under torch.compile too) fixes the pattern, which attngen.dropout_mask gives
         exactly. `block_mask`: the kept blocks of a `sparsity = runtime` spec (see attngen.block_mask_from).
 
+        Packed sequences (flash_attn_varlen_func's layout and names): q (total_q, Hq, D), k and v (total_k, Hkv,
+        D), sequence i's rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (int32, B + 1 entries, from 0 to total);
+        max_seqlen_q/_k size the grid (default: read from cu_seqlens, a host synchronization). Expressions see
+        positions and lengths inside each sequence, and b = the sequence. O is (total_q, Hq, D), the lse (Hq,
+        total_q). Not yet with dropout, runtime block sparsity, input gradients or torch.compile.
+
         Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of custom
         ops (forward, backward) named after the kernel, so a compiled model calls it with no graph break."""
         compiling = torch.compiler.is_compiling()
-        dims, tensors = self._check(q, k, v, inputs)
+        varlen = None
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            q, k, v, varlen = self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, compiling)
+            dims, tensors = self._check_all(q, k, v, inputs, varlen)
+        elif max_seqlen_q is not None or max_seqlen_k is not None:
+            raise InputError("max_seqlen_q/max_seqlen_k go with cu_seqlens_q and cu_seqlens_k (packed sequences)")
+        else:
+            dims, tensors = self._check(q, k, v, inputs)
         p, seed_t = self._dropout_args(dropout_p, seed)
         self._check_block_mask(block_mask)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(t.requires_grad for t in tensors))
+        if varlen is not None:
+            _check_varlen_features(self.spec, p, tensors, grad)
         if compiling:
             o, lse2 = self._ops().forward(q, k, v, tensors, p, seed_t, block_mask)
-        elif not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(t.requires_grad for t in tensors))):
-            o, lse2 = self._forward_impl(q, k, v, tensors, p, seed_t, block_mask)  # nothing to differentiate: no autograd node
+        elif not grad:
+            o, lse2 = self._forward_impl(q, k, v, tensors, p, seed_t, block_mask, varlen)  # nothing to differentiate: no autograd node
         else:
-            o, lse2 = _AttentionFunction.apply(self, p, seed_t, block_mask, q, k, v, *tensors)
+            o, lse2 = _AttentionFunction.apply(self, p, seed_t, block_mask, varlen, q, k, v, *tensors)
+        if varlen is not None:  # back to the packed layout: O (total_q, Hq, D), lse (Hq, total_q)
+            o, lse2 = o[0].transpose(0, 1), lse2[0]
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
 
-    def _forward_impl(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask):
-        """O and the lse in log2 units: what every call runs, eager or compiled (the tensors are checked)."""
+    def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, compiling: bool):
+        """Packed sequences: q, k, v as (1, H, total rows, D) views, and (cu_q, cu_k, max_q, max_k), checked. The
+        values of cu_seqlens are checked (a host synchronization) except while a CUDA graph is captured."""
+        if compiling:
+            raise InputError("packed sequences (cu_seqlens) are not supported under torch.compile yet; call the kernel eagerly")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3:
+                raise InputError(f"with cu_seqlens, {name} must be 3-D (total tokens, heads, head_dim), got shape {tuple(t.shape)}")
+        if cu_q is None or cu_k is None:
+            raise InputError("packed sequences need both cu_seqlens_q and cu_seqlens_k")
+        if self.spec.loop_order is LoopOrder.KV_OUTER:
+            raise InputError(f"the spec {self.spec.name!r} has loop_order = kv_outer, which has no packed-sequence kernels; use q_outer")
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() == 0:
+                what = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+                raise InputError(f"{name} must be a 1-D int32 tensor of B + 1 offsets, got {what}")
+            if cu.device != q.device:
+                raise InputError(f"{name} is on {cu.device}, q on {q.device}")
+        if cu_q.numel() != cu_k.numel():
+            raise InputError(f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: one more than the number of sequences each")
+        capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        lengths = {}
+        for name, cu, total, given in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
+            if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
+                raise InputError(f"max_seqlen_{name[-1]} must be a non-negative int, got {given!r}")
+            if capturing:
+                if given is None:
+                    raise InputError(f"while a CUDA graph is captured, pass max_seqlen_{name[-1]} (it cannot be read from {name})")
+                lengths[name] = given
+                continue
+            offsets = cu.tolist()
+            steps = [b - a for a, b in zip(offsets, offsets[1:])]
+            if offsets[0] != 0 or any(n < 0 for n in steps):
+                raise InputError(f"{name} must start at 0 and never decrease, got {offsets[:8]}{' ...' if len(offsets) > 8 else ''}")
+            if offsets[-1] != total:
+                raise InputError(f"{name} ends at {offsets[-1]}, but the packed tensor has {total} rows")
+            longest = max(steps, default=0)
+            if given is not None and given < longest:
+                raise InputError(f"max_seqlen_{name[-1]} = {given}, but a sequence of {name} has {longest} rows")
+            lengths[name] = longest if given is None else given
+        views = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)]  # (1, H, total rows, D)
+        return (*views, (cu_q, cu_k, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"]))
+
+    def _forward_impl(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask, varlen=None):
+        """O and the lse in log2 units: what every call runs, eager or compiled (the tensors are checked).
+        varlen: packed sequences (see _varlen), which the Triton generator's kernels run."""
         check_device(q.device, self.module)
         dims = _dims_of(q, k)
-        if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
+        if dims.empty or (varlen is not None and varlen[0].numel() == 1):  # nothing to attend to: O = 0, lse = -inf
             return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
-        if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
+        if self.generator.generator == "gluon" and varlen is None and _is_sm90(q.device):  # the Gluon generator's forward
             return self.gluon.attention_forward(q, k, v, *inputs)
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
-            o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask)
+            o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask, varlen)
             return o.to(torch.bfloat16), lse
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
         with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+            if varlen is not None:
+                return self.module.attention_forward(q, k, v, *inputs, **extra, varlen=varlen)
             return self._triton_forward(dims, extra, q, k, v, inputs)
 
     def _backward_impl(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask,
-                       input_grads: bool):
+                       input_grads: bool, varlen=None):
         """(dQ, dK, dV, [the gradient of each float input, or an empty tensor unless input_grads]). `dlse` (log2
         units, or None) is the gradient reaching the lse."""
         dims = _dims_of(q, k)
         floats = [t for t in inputs if t.is_floating_point()]
-        if dims.empty:
+        if dims.empty or (varlen is not None and varlen[0].numel() == 1):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), [torch.zeros_like(t) if input_grads else t.new_empty(0) for t in floats]
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
             dq, dk, dv, grads = self._twin()._backward_impl(*_up(q, k, v, o), lse, *_up(do), dlse, _up(*inputs), dropout_p, seed,
-                                                             block_mask, input_grads)
+                                                             block_mask, input_grads, varlen)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
+        if varlen is not None:  # packed sequences: the Triton generator's kernels (no input gradients: refused at the call)
+            with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+                dq, dk, dv = self.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, varlen=varlen)
+            return dq, dk, dv, [t.new_empty(0) for t in floats]
         reads = self.plan.read_grads
         if self.generator.backward_for(dims.kv_len) == "gluon" and not input_grads and _is_sm90(q.device):
             # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py); input gradients are the Triton kernels'
@@ -318,6 +393,16 @@ class Kernel:
         return {"tiles": self.tuner.tiles(phase, name, run, sync)}
 
 
+def _check_varlen_features(spec: Spec, dropout_p: float, inputs: list[torch.Tensor], grad: bool) -> None:
+    """What packed sequences do not support yet: an InputError before any kernel runs."""
+    if dropout_p:
+        raise InputError("dropout with packed sequences (cu_seqlens) is not supported yet; pass dropout_p=0.0 or pad the batch")
+    if spec.sparsity == "runtime":
+        raise InputError("runtime block sparsity with packed sequences (cu_seqlens) is not supported yet")
+    if grad and any(t.requires_grad for t in inputs):
+        raise InputError("gradients of declared inputs with packed sequences (cu_seqlens) are not supported yet")
+
+
 def _interpreter_errstate():
     """numpy's error state for the interpreter's kernel runs: a row that keeps no key has lse = m + log2(0) = -inf
     by design, which numpy would report as a division by zero on stderr."""
@@ -374,23 +459,24 @@ class _AttentionFunction(torch.autograd.Function):
     _backward_impl)."""
 
     @staticmethod
-    def forward(ctx, kernel: Kernel, dropout_p: float, seed, block_mask, q, k, v, *inputs):
+    def forward(ctx, kernel: Kernel, dropout_p: float, seed, block_mask, varlen, q, k, v, *inputs):
         ctx.set_materialize_grads(False)
-        o, lse = kernel._forward_impl(q, k, v, inputs, dropout_p, seed, block_mask)
-        ctx.kernel, ctx.dropout_p, ctx.seed, ctx.block_mask = kernel, dropout_p, seed, block_mask
+        o, lse = kernel._forward_impl(q, k, v, inputs, dropout_p, seed, block_mask, varlen)
+        ctx.kernel, ctx.dropout_p, ctx.seed, ctx.block_mask, ctx.varlen = kernel, dropout_p, seed, block_mask, varlen
         ctx.save_for_backward(q, k, v, o, lse, *inputs)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, *inputs = ctx.saved_tensors
-        wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[7:], inputs)]
+        wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[8:], inputs)]
         if do is None and dlse is None:
-            return (None,) * 4 + (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
+            return (None,) * 5 + (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, ctx.seed, ctx.block_mask, any(wanted))
-        return (None,) * 4 + (dq, dk, dv) + _as_input_grads(inputs, grads, wanted)
+        dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, ctx.seed, ctx.block_mask,
+                                                      any(wanted), ctx.varlen)
+        return (None,) * 5 + (dq, dk, dv) + _as_input_grads(inputs, grads, wanted)
 
 
 class _Ops:

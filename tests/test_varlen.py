@@ -1,0 +1,118 @@
+"""Packed variable-length batches (cu_seqlens, flash_attn_varlen_func's layout): each sequence's rows through the
+packed call equal the same kernel's call on that sequence alone, and match the float64 reference within the
+error budget of attngen.verify (twice the error of same-precision naive attention, plus a floor); the lengths
+mix 0, 1, a tile - 1, a tile + 1 and longer ones, with grouped-query heads and per-sequence q_len != kv_len.
+Bad offsets are refused before any kernel runs."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen.dtypes import TORCH_DTYPES
+from attngen.errors import InputError
+from attngen.verify import _bound
+
+ROOT = Path(__file__).parent.parent
+HQ, HKV = 4, 2
+# (query lengths, key lengths) per sequence: 0, 1, tile - 1, tile + 1 (the forward's tiles are 128 rows), longer,
+# a sequence with queries but no key; bottom-right causal sees q_len != kv_len in most of them
+LENGTHS = ([3, 0, 1, 127, 129, 200, 4], [3, 5, 1, 130, 129, 260, 0])
+
+
+def _offsets(lengths, device):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def _inputs(kern, device, gen):
+    if kern.spec.name == "key_padding":  # lens[B]: the keys each sequence keeps (b = the sequence)
+        return {"lens": torch.tensor([2, 3, 1, 100, 129, 7, 0], dtype=torch.int32, device=device)}
+    return {}
+
+
+@pytest.mark.parametrize("name", ["causal", "causal_bottom_right", "sliding_window", "causal_softcap", "key_padding"])
+def test_packed_sequences_match_each_sequence_alone_and_the_reference(name, target, device):
+    kern = attngen.compile(ROOT / "specs" / f"{name}.attn", target)
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
+    gen = torch.Generator().manual_seed(0)
+    cq, ck = _offsets(LENGTHS[0], device), _offsets(LENGTHS[1], device)
+    d = kern.spec.head_dim
+    q, do = (torch.randn(sum(LENGTHS[0]), HQ, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(sum(LENGTHS[1]), HKV, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    inputs = _inputs(kern, device, gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = kern(*leaves, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **inputs)
+    assert out.shape == q.shape and lse.shape == (HQ, q.shape[0])
+    grads = torch.autograd.grad(out, leaves, do)
+    assert not any(torch.isnan(t).any() for t in (out, lse, *grads))
+
+    # 1. each sequence alone through the same kernel, in the (1, H, N, D) layout
+    for i in range(len(LENGTHS[0])):
+        qs, ks, vs, dos = (t[lo:hi].transpose(0, 1)[None].detach().clone().requires_grad_(t is not do)
+                           for t, lo, hi in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1]), (do, cq[i], cq[i + 1])))
+        alone, alone_lse = kern(qs, ks, vs, return_lse=True, **{n: t[i:i + 1] for n, t in inputs.items()})
+        rows = slice(cq[i], cq[i + 1])
+        assert torch.allclose(out[rows].transpose(0, 1)[None], alone, atol=0, rtol=0), (name, i)
+        assert torch.equal(lse[:, rows][None], alone_lse), (name, i)
+        if qs.shape[2] and ks.shape[2]:
+            dq, dk, dv = torch.autograd.grad(alone, (qs, ks, vs), dos)
+            assert torch.equal(grads[0][rows].transpose(0, 1)[None], dq), (name, i)
+            assert torch.equal(grads[1][ck[i]:ck[i + 1]].transpose(0, 1)[None], dk), (name, i)
+            assert torch.equal(grads[2][ck[i]:ck[i + 1]].transpose(0, 1)[None], dv), (name, i)
+
+    # 2. the float64 reference, with the budget of the same-precision naive attention
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = attngen.reference(kern, *wide, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, dtype=torch.float64, **inputs)
+    narrow = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    naive = attngen.reference(kern, *narrow, cu_seqlens_q=cq, cu_seqlens_k=ck, dtype=dtype, **inputs)
+    err, _, bound = _bound(out.detach().cpu(), naive.detach().cpu(), ref.detach().cpu(), 2)
+    assert err <= bound, (name, err, bound)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite.to(lse.device))
+    assert (lse.double().cpu()[finite.cpu()] - ref_lse.detach().cpu()[finite.cpu()]).abs().max() <= 1e-3 * max(1.0, ref_lse[finite].abs().max())
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    naive_grads = torch.autograd.grad(naive, narrow, do)
+    for what, g, rg, ng in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+        err, _, bound = _bound(g.cpu(), ng.cpu(), rg.cpu(), 3, 1.0)
+        assert err <= bound, (name, what, err, bound)
+
+
+def _call(kern, device, **changes):
+    q = torch.randn(10, HQ, 128).to(device=device, dtype=torch.bfloat16)
+    k = torch.randn(12, HKV, 128).to(device=device, dtype=torch.bfloat16)
+    args = {"q": q, "k": k, "v": k.clone(), "cu_seqlens_q": _offsets([4, 6], device), "cu_seqlens_k": _offsets([5, 7], device)}
+    args.update(changes)
+    return kern(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"cu_seqlens_q": torch.tensor([0, 6, 4], dtype=torch.int32)}, "cu_seqlens_q must start at 0 and never decrease"),
+    ({"cu_seqlens_q": torch.tensor([1, 4, 10], dtype=torch.int32)}, "cu_seqlens_q must start at 0"),
+    ({"cu_seqlens_k": torch.tensor([0, 5, 11], dtype=torch.int32)}, "cu_seqlens_k ends at 11, but the packed tensor has 12 rows"),
+    ({"cu_seqlens_q": torch.tensor([0, 4, 10])}, "cu_seqlens_q must be a 1-D int32 tensor of B \\+ 1 offsets, got torch.int64"),
+    ({"cu_seqlens_k": torch.tensor([0, 12], dtype=torch.int32)}, "cu_seqlens_q has 3 entries and cu_seqlens_k 2"),
+    ({"cu_seqlens_k": None}, "packed sequences need both cu_seqlens_q and cu_seqlens_k"),
+    ({"q": torch.zeros(1, 10, HQ, 128, dtype=torch.bfloat16)}, "with cu_seqlens, q must be 3-D"),
+    ({"max_seqlen_q": 5}, "max_seqlen_q = 5, but a sequence of cu_seqlens_q has 6 rows"),
+    ({"max_seqlen_k": -1}, "max_seqlen_k must be a non-negative int"),
+])
+def test_bad_packed_calls_say_what_is_wrong(changes, message, target, device):
+    kern = attngen.compile(ROOT / "specs" / "causal.attn", target)
+    changes = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in changes.items()}
+    with pytest.raises(InputError, match=message):
+        _call(kern, device, **changes)
+
+
+def test_dropout_with_packed_sequences_is_refused_for_now(target, device):
+    kern = attngen.compile(ROOT / "specs" / "causal_dropout.attn", target)
+    with pytest.raises(InputError, match="dropout with packed sequences"):
+        _call(kern, device, q=torch.randn(10, HQ, kern.spec.head_dim).to(device=device, dtype=TORCH_DTYPES[kern.spec.dtype.value]),
+              k=torch.randn(12, HKV, kern.spec.head_dim).to(device=device, dtype=TORCH_DTYPES[kern.spec.dtype.value]),
+              v=torch.randn(12, HKV, kern.spec.head_dim).to(device=device, dtype=TORCH_DTYPES[kern.spec.dtype.value]))
+
+
+def test_max_seqlen_without_cu_seqlens_is_refused(target, device):
+    kern = attngen.compile(ROOT / "specs" / "causal.attn", target)
+    q = torch.randn(1, HQ, 8, 128).to(device=device, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="max_seqlen_q/max_seqlen_k go with cu_seqlens"):
+        kern(q, q, q, max_seqlen_q=8)
