@@ -76,7 +76,7 @@ def test_input_names_appear_only_as_validated_identifiers():
     spec = load_spec("attention t { head_dim = 64 input doc_ids: int32[B, N] mask = doc_ids[b, q_idx] == doc_ids[b, kv_idx] }")
     src = render(plan(spec, "h100"))
     assert "in_doc_ids_ptr, in_doc_ids_stride_0, in_doc_ids_stride_1, in_doc_ids_size_0, in_doc_ids_size_1" in src
-    assert "def attention_forward(q, k, v, in_doc_ids, tiles=TILES):" in src  # in_: no input name can shadow a launcher variable
+    assert "def attention_forward(q, k, v, in_doc_ids, varlen=None, tiles=TILES):" in src  # in_: no input name can shadow a launcher variable
 
 
 def test_q_only_input_loads_are_hoisted_out_of_the_key_loop():
