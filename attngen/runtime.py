@@ -120,7 +120,7 @@ class Kernel:
         B, Hq, Nq, _ = q.shape
         if k.shape != v.shape:
             raise InputError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.shape[0] != B and varlen is None:
+        if k.shape[0] != B:
             raise InputError(f"q has batch {B}, k and v have {k.shape[0]}")
         Hkv, Nk = k.shape[1], k.shape[2]
         if Hq == 0 or Hkv == 0:
@@ -130,16 +130,14 @@ class Kernel:
         for what, n in (("batch size", B), ("number of query heads", Hq), ("query length", Nq), ("key length", Nk)):
             if n >= MAX_EXTENT:  # the integer analysis of the spec's expressions (ranges.py) assumes less
                 raise InputError(f"the {what} is {n}; attngen supports at most {MAX_EXTENT - 1} (2**30 - 1)")
-        if varlen is not None:
-            B, Nq, Nk = varlen[0].numel() - 1, varlen[2], varlen[3]
-        dims = _Dims(B, Hq, Hkv, Nq, Nk)
+        dims = _dims_of(q, k, varlen)
 
         declared = [d.name for d in spec.inputs]
         unknown = sorted(set(inputs) - set(declared))
         if unknown:
             raise InputError(f"unexpected argument(s) {', '.join(unknown)}; {spec.name!r} declares inputs: {', '.join(declared) or 'none'}")
         ordered = []
-        bound: dict[str, int] = {"B": B, "H": Hq}
+        bound: dict[str, int] = {"B": dims.batch, "H": Hq}
         for decl in spec.inputs:
             if decl.name not in inputs:
                 raise InputError(f"missing input {decl.name!r} (declared `input {decl.name}: {decl.dtype}[{', '.join(map(str, decl.dims))}]`)")
@@ -266,8 +264,8 @@ class Kernel:
         """O and the lse in log2 units: what every call runs, eager or compiled (the tensors are checked).
         varlen: packed sequences (see _varlen), which the Triton generator's kernels run."""
         check_device(q.device, self.module)
-        dims = _dims_of(q, k)
-        if dims.empty or (varlen is not None and varlen[0].numel() == 1):  # nothing to attend to: O = 0, lse = -inf
+        dims = _dims_of(q, k, varlen)
+        if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
             return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         if self.generator.generator == "gluon" and varlen is None and _is_sm90(q.device):  # the Gluon generator's forward
             return self.gluon.attention_forward(q, k, v, *inputs)
@@ -284,9 +282,9 @@ class Kernel:
                        input_grads: bool, varlen=None):
         """(dQ, dK, dV, [the gradient of each float input, or an empty tensor unless input_grads]). `dlse` (log2
         units, or None) is the gradient reaching the lse."""
-        dims = _dims_of(q, k)
+        dims = _dims_of(q, k, varlen)
         floats = [t for t in inputs if t.is_floating_point()]
-        if dims.empty or (varlen is not None and varlen[0].numel() == 1):
+        if dims.empty:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), [torch.zeros_like(t) if input_grads else t.new_empty(0) for t in floats]
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
             dq, dk, dv, grads = self._twin()._backward_impl(*_up(q, k, v, o), lse, *_up(do), dlse, _up(*inputs), dropout_p, seed,
@@ -436,7 +434,11 @@ def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:
     return found
 
 
-def _dims_of(q: torch.Tensor, k: torch.Tensor) -> _Dims:
+def _dims_of(q: torch.Tensor, k: torch.Tensor, varlen=None) -> _Dims:
+    """The call's sizes; with packed sequences (q, k as (1, H, total rows, D) views, varlen = (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k)): the number of sequences and the longest lengths."""
+    if varlen is not None:
+        return _Dims(varlen[0].numel() - 1, q.shape[1], k.shape[1], varlen[2], varlen[3])
     return _Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
