@@ -46,11 +46,13 @@ def test_packed_sequences_match_each_sequence_alone_and_the_reference(name, targ
     grads = torch.autograd.grad(out, leaves, do)
     assert not any(torch.isnan(t).any() for t in (out, lse, *grads))
 
-    # 1. each sequence alone through the same kernel, in the (1, H, N, D) layout
+    # 1. each sequence alone through the same kernels, in the (1, H, N, D) layout (on sm_90 an unpacked call of an
+    # `auto` spec runs the Gluon generator's kernels, packed calls the Triton generator's: compare with those)
+    alone_kern = attngen.compile(ROOT / "specs" / f"{name}.attn", target, backend="triton")
     for i in range(len(LENGTHS[0])):
         qs, ks, vs, dos = (t[lo:hi].transpose(0, 1)[None].detach().clone().requires_grad_(t is not do)
                            for t, lo, hi in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1]), (do, cq[i], cq[i + 1])))
-        alone, alone_lse = kern(qs, ks, vs, return_lse=True, **{n: t[i:i + 1] for n, t in inputs.items()})
+        alone, alone_lse = alone_kern(qs, ks, vs, return_lse=True, **{n: t[i:i + 1] for n, t in inputs.items()})
         rows = slice(cq[i], cq[i + 1])
         assert torch.allclose(out[rows].transpose(0, 1)[None], alone, atol=0, rtol=0), (name, i)
         assert torch.equal(lse[:, rows][None], alone_lse), (name, i)
@@ -116,3 +118,14 @@ def test_max_seqlen_without_cu_seqlens_is_refused(target, device):
     q = torch.randn(1, HQ, 8, 128).to(device=device, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="max_seqlen_q/max_seqlen_k go with cu_seqlens"):
         kern(q, q, q, max_seqlen_q=8)
+
+
+def test_offsets_checked_once_are_checked_again_after_an_in_place_change(target, device):
+    """The offsets' check (a host synchronization) is remembered for the tensor's version: a later call with the same
+    tensor skips it, an in-place change makes it run again."""
+    kern = attngen.compile(ROOT / "specs" / "causal.attn", target)
+    cq = _offsets([4, 6], device)
+    _call(kern, device, cu_seqlens_q=cq)
+    cq[1] = 11  # no longer ends at 10 after an increasing step
+    with pytest.raises(InputError, match="cu_seqlens_q must start at 0 and never decrease"):
+        _call(kern, device, cu_seqlens_q=cq)
