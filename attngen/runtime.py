@@ -256,13 +256,13 @@ class Kernel:
 
     def _forward_impl(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask, varlen=None):
         """O and the lse in log2 units: what every call runs, eager or compiled (the tensors are checked).
-        varlen: packed sequences (see _varlen), which the Triton generator's kernels run."""
+        varlen: packed sequences (see _varlen)."""
         check_device(q.device, self.module)
         dims = _dims_of(q, k, varlen)
         if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
             return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
-        if self.generator.generator == "gluon" and varlen is None and _is_sm90(q.device):  # the Gluon generator's forward
-            return self.gluon.attention_forward(q, k, v, *inputs)
+        if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
+            return self.gluon.attention_forward(q, k, v, *inputs, varlen=varlen)
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
             o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask, varlen)
             return o.to(torch.bfloat16), lse
@@ -284,15 +284,16 @@ class Kernel:
             dq, dk, dv, grads = self._twin()._backward_impl(*_up(q, k, v, o), lse, *_up(do), dlse, _up(*inputs), dropout_p, seed,
                                                              block_mask, input_grads, varlen)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
+        if self.generator.backward_for(dims.kv_len) == "gluon" and not input_grads and _is_sm90(q.device):
+            # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py; packed sequences by
+            # their longest keys); input gradients are the Triton kernels'
+            dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, varlen=varlen)
+            return dq, dk, dv, [t.new_empty(0) for t in floats]
         if varlen is not None:  # packed sequences: the Triton generator's kernels (no input gradients: refused at the call)
             with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
                 dq, dk, dv = self.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, varlen=varlen)
             return dq, dk, dv, [t.new_empty(0) for t in floats]
         reads = self.plan.read_grads
-        if self.generator.backward_for(dims.kv_len) == "gluon" and not input_grads and _is_sm90(q.device):
-            # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py); input gradients are the Triton kernels'
-            dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
-            return dq, dk, dv, [t.new_empty(0) for t in floats]
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
         if input_grads and reads:
             extra["input_grads"] = True

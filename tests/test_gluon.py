@@ -218,11 +218,11 @@ def test_rendered_source_is_readable_and_carries_only_ir_code(name):
 @pytest.mark.slow  # triton.compile for sm_90 in subprocesses: about 3 min on 2 cores
 def test_every_taken_spec_compiles_for_sm90(tmp_path):
     """A Gluon kernel that does not compile would only fail on the GPU: compile each spec's kernels for sm_90 here
-    (the forward, the backward and its pre-pass; bf16 and fp16; in a process of its own, without the
-    interpreter, specialized as Triton's JIT would on the GPU) and check the schedule made it into the PTX: the
-    register budgets (setmaxnreg 24 and 240), the wgmma products, the TMA copies, the backward's dQ added by
-    TMA reduce-adds (no floating-point atomic: with deterministic = true, the default, only the integer ticket
-    and turn counters; with false, none); and the shared memory fits."""
+    (the forward, the backward and its pre-pass, each also for packed sequences; bf16 and fp16; in a process of
+    its own, without the interpreter, specialized as Triton's JIT would on the GPU) and check the schedule made it
+    into the PTX: the register budgets (setmaxnreg 24 and 240), the wgmma products, the TMA copies, the
+    backward's dQ added by TMA reduce-adds (no floating-point atomic: with deterministic = true, the default,
+    only the integer ticket and turn counters; with false, none); and the shared memory fits."""
     from attngen.codegen.gluon import build_source
 
     smem = plan(_spec("causal"), "h100").target.smem_per_block
@@ -234,14 +234,15 @@ def test_every_taken_spec_compiles_for_sm90(tmp_path):
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
         lines = [json.loads(line) for line in run.stdout.splitlines()]
-        assert [(r["kernel"], r["dtype"]) for r in lines] == [(k, t) for t in ("bf16", "fp16") for k in ("_attn_fwd", "_attn_bwd", "_bwd_delta")]
+        kernels = ("_attn_fwd", "_attn_bwd", "_bwd_delta")
+        assert [(r["kernel"], r["dtype"]) for r in lines] == [(k + tail, t) for t in ("bf16", "fp16") for tail in ("", " varlen") for k in kernels]
         for r in lines:
             assert r["cubin_bytes"] > 0 and 0 <= r["shared"] <= smem, (name, r)
-            if r["kernel"] != "_bwd_delta":
+            if not r["kernel"].startswith("_bwd_delta"):
                 assert {"24", "240"} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"] and r["shared"] > 0, (name, r)
-            if r["kernel"] == "_attn_fwd":
+            if r["kernel"].startswith("_attn_fwd"):
                 assert r["spill_bytes"] == 0, (name, r)
-        bwd = [r for r in lines if r["kernel"] == "_attn_bwd"]
+        bwd = [r for r in lines if r["kernel"].startswith("_attn_bwd")]
         counters = ["atom.global.gpu.acq_rel.add.u32", "red.release.gpu.global.add.s32"] if det else []  # ticket, turns
         assert all(r["atomics"] == counters and r["tma_reduce"] == ["cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group"]
                    for r in bwd), (name, det, bwd)

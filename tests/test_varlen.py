@@ -32,7 +32,24 @@ def _inputs(kern, device, gen):
 
 @pytest.mark.parametrize("name", ["causal", "causal_bottom_right", "sliding_window", "causal_softcap", "key_padding"])
 def test_packed_sequences_match_each_sequence_alone_and_the_reference(name, target, device):
-    kern = attngen.compile(ROOT / "specs" / f"{name}.attn", target)
+    _check_packed(attngen.compile(ROOT / "specs" / f"{name}.attn", target), device)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("name", ["causal", "causal_bottom_right", "sliding_window", "dense"])
+def test_packed_sequences_through_the_gluon_kernels(name, deterministic, device):
+    """Both passes by the Gluon generator (backend = gluon, which takes the backward at any length): a tile reaching
+    past its sequence reads the next one's rows, masked; dQ's zeros added there change nothing. With
+    deterministic = false, dQ may differ from the unpacked call's in its last bits."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    kern = attngen.compile(ROOT / "specs" / f"{name}.attn", backend="gluon", deterministic=deterministic)
+    assert kern.generator.generator == kern.generator.backward == "gluon"
+    _check_packed(kern, device, exact_dq=deterministic)
+
+
+def _check_packed(kern, device, exact_dq=True):
+    name = kern.spec.name
     dtype = TORCH_DTYPES[kern.spec.dtype.value]
     gen = torch.Generator().manual_seed(0)
     cq, ck = _offsets(LENGTHS[0], device), _offsets(LENGTHS[1], device)
@@ -46,19 +63,19 @@ def test_packed_sequences_match_each_sequence_alone_and_the_reference(name, targ
     grads = torch.autograd.grad(out, leaves, do)
     assert not any(torch.isnan(t).any() for t in (out, lse, *grads))
 
-    # 1. each sequence alone through the same kernels, in the (1, H, N, D) layout (on sm_90 an unpacked call of an
-    # `auto` spec runs the Gluon generator's kernels, packed calls the Triton generator's: compare with those)
-    alone_kern = attngen.compile(ROOT / "specs" / f"{name}.attn", target, backend="triton")
+    # 1. each sequence alone through the same kernel, in the (1, H, N, D) layout (on sm_90, the same generators:
+    # both calls run the Gluon forward where the spec has it, and these short keys the Triton backward)
     for i in range(len(LENGTHS[0])):
         qs, ks, vs, dos = (t[lo:hi].transpose(0, 1)[None].detach().clone().requires_grad_(t is not do)
                            for t, lo, hi in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1]), (do, cq[i], cq[i + 1])))
-        alone, alone_lse = alone_kern(qs, ks, vs, return_lse=True, **{n: t[i:i + 1] for n, t in inputs.items()})
+        alone, alone_lse = kern(qs, ks, vs, return_lse=True, **{n: t[i:i + 1] for n, t in inputs.items()})
         rows = slice(cq[i], cq[i + 1])
         assert torch.allclose(out[rows].transpose(0, 1)[None], alone, atol=0, rtol=0), (name, i)
         assert torch.equal(lse[:, rows][None], alone_lse), (name, i)
         if qs.shape[2] and ks.shape[2]:
             dq, dk, dv = torch.autograd.grad(alone, (qs, ks, vs), dos)
-            assert torch.equal(grads[0][rows].transpose(0, 1)[None], dq), (name, i)
+            assert torch.equal(grads[0][rows].transpose(0, 1)[None], dq) or (
+                not exact_dq and torch.allclose(grads[0][rows].transpose(0, 1)[None].float(), dq.float(), rtol=0, atol=1e-2)), (name, i)
             assert torch.equal(grads[1][ck[i]:ck[i + 1]].transpose(0, 1)[None], dk), (name, i)
             assert torch.equal(grads[2][ck[i]:ck[i + 1]].transpose(0, 1)[None], dv), (name, i)
 

@@ -37,10 +37,11 @@ def compile_kernel(fn, args: tuple, options: dict):
 
 
 def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv_heads: int = 1, q_len: int = 130,
-                   kv_len: int = 200) -> dict:
+                   kv_len: int = 200, varlen: bool = True) -> dict:
     """The module's kernels (forward, backward and its pre-pass) compiled for sm_90 from the signatures of a
     call on CPU tensors of these sizes (descriptors carry only their block shape and layout in the signature,
-    and the sizes are never specialized: one binary serves every size). {kernel name: CompiledKernel}."""
+    and the sizes are never specialized: one binary serves every size), and with `varlen` their packed-sequence
+    specializations ("... varlen"). {kernel name: CompiledKernel}."""
     import torch
 
     from ...dtypes import TORCH_DTYPES
@@ -55,11 +56,24 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     dq = torch.empty(q.shape, dtype=torch.float32)
     stats = module.bwd_stats(batch, heads, q_len, "cpu")
     order = module.bwd_order(batch, heads, q_len, kv_len, "cpu")
-    return {
+    kernels = {
         "_attn_fwd": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs), warps),
         "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, order, dq, k, k, *inputs), warps),
         "_bwd_delta": compile_kernel(module._bwd_delta, module.delta_launch_args(o, o, lse, None, stats, order, k, *inputs), {"num_warps": 4}),
     }
+    if varlen:  # packed sequences (cu_seqlens): the same kernels with VARLEN = True, on (packed rows, H, D) tensors
+        qp, kp = (t[0].transpose(0, 1).contiguous() for t in (q, k))
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        packed = (cu, cu, q_len, kv_len)
+        op, dqp = torch.empty_like(qp), torch.empty(qp.shape, dtype=torch.float32)
+        kernels |= {
+            "_attn_fwd varlen": compile_kernel(module._attn_fwd, module.packed_launch_args(qp, kp, kp, op, lse, cu, cu, *inputs), warps | {"VARLEN": True}),
+            "_attn_bwd varlen": compile_kernel(module._attn_bwd, module.bwd_launch_args(qp, kp, kp, op, stats, order, dqp, kp, kp, *inputs, varlen=packed),
+                                               warps | {"VARLEN": True}),
+            "_bwd_delta varlen": compile_kernel(module._bwd_delta, module.delta_launch_args(op, op, lse, None, stats, order, kp, *inputs, varlen=packed),
+                                                {"num_warps": 4, "VARLEN": True}),
+        }
+    return kernels
 
 
 def ptxas_report(kernel) -> dict:
