@@ -121,24 +121,19 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     keeps no key) when return_lse. Rows that keep no key give 0.
 
     Packed sequences (cu_seqlens_q and cu_seqlens_k, as the kernels take them): q (total_q, Hq, D), k and v
-    (total_k, Hkv, D); each sequence is computed on its own, with b = its index; O is (total_q, Hq, D) and the
-    lse (Hq, total_q).
+    (total_k, Hkv, D); each sequence is computed on its own, with b = its index (dropout's pattern too); O is
+    (total_q, Hq, D) and the lse (Hq, total_q).
     """
     dtype = dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
+    if dropout_p > 0.0 and seed is None:
+        raise ValueError("reference(..., dropout_p > 0) needs the seed the kernel was called with")
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        if dropout_p > 0.0:
-            raise ValueError("reference: dropout with packed sequences is not supported")
-        return _packed_reference(getattr(spec, "spec", spec), q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dtype, return_lse, inputs)
+        return _packed_reference(getattr(spec, "spec", spec), q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dtype, return_lse, inputs,
+                                 dropout_p, seed)
     p, lse = _softmax(getattr(spec, "spec", spec), q, k, dtype, inputs)
-    B, Hq, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hq, Hkv = q.shape[1], k.shape[1]
     if dropout_p > 0.0:
-        if seed is None:
-            raise ValueError("reference(..., dropout_p > 0) needs the seed the kernel was called with")
-        from .dropout import dropout_mask, dropout_probability  # the kernels' keep pattern (generated code; Triton)
-
-        keep = dropout_mask(seed, dropout_p, B, Hq, Nq, Nk, q.device)
-        p = p * keep.to(p.dtype) / (1.0 - dropout_probability(dropout_p))
+        p = _dropped(p, dropout_p, seed, 0)
     vf = v.to(dtype).repeat_interleave(Hq // Hkv, dim=1) if Hq != Hkv else v.to(dtype)
     out = torch.matmul(p, vf)
     return (out, lse) if return_lse else out
@@ -149,7 +144,18 @@ def probabilities(spec, q: torch.Tensor, k: torch.Tensor, *, dtype: torch.dtype 
     return _softmax(getattr(spec, "spec", spec), q, k, dtype or (torch.float64 if q.device.type == "cpu" else torch.float32), inputs)[0]
 
 
-def _packed_reference(spec, q, k, v, cq: list[int], ck: list[int], dtype, return_lse: bool, inputs):
+def _dropped(p: torch.Tensor, dropout_p: float, seed: int, first_batch: int) -> torch.Tensor:
+    """p (B, Hq, Nq, Nk) with the kernels' dropout applied, batch entry i being sequence or batch first_batch + i:
+    the keep pattern is a function of (seed, b, h, q_idx, kv_idx) alone, so rows of a longer batch's mask serve."""
+    from .dropout import dropout_mask, dropout_probability  # the kernels' keep pattern (generated code; Triton)
+
+    B, Hq, Nq, Nk = p.shape
+    keep = dropout_mask(seed, dropout_p, first_batch + B, Hq, Nq, Nk, p.device)[first_batch:]
+    return p * keep.to(p.dtype) / (1.0 - dropout_probability(dropout_p))
+
+
+def _packed_reference(spec, q, k, v, cq: list[int], ck: list[int], dtype, return_lse: bool, inputs, dropout_p: float = 0.0,
+                      seed: int | None = None):
     outs, lses = [], []
     for i in range(len(cq) - 1):
         qs, ks, vs = (t[lo:hi].transpose(0, 1)[None] for t, lo, hi in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1])))
@@ -158,6 +164,8 @@ def _packed_reference(spec, q, k, v, cq: list[int], ck: list[int], dtype, return
             lses.append(torch.full((qs.shape[1], qs.shape[2]), float("-inf"), dtype=dtype, device=q.device))
             continue
         p, lse = _softmax(spec, qs, ks, dtype, inputs, first_batch=i)
+        if dropout_p > 0.0 and qs.shape[2]:
+            p = _dropped(p, dropout_p, seed, i)
         group = qs.shape[1] // vs.shape[1]
         out = torch.matmul(p, vs.to(dtype).repeat_interleave(group, dim=1))
         outs.append(out[0].transpose(0, 1))

@@ -184,8 +184,8 @@ class Kernel:
         Packed sequences (flash_attn_varlen_func's layout and names): q (total_q, Hq, D), k and v (total_k, Hkv,
         D), sequence i's rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (int32, B + 1 entries, from 0 to total);
         max_seqlen_q/_k size the grid (default: read from cu_seqlens, a host synchronization). Expressions see
-        positions and lengths inside each sequence, and b = the sequence. O is (total_q, Hq, D), the lse (Hq,
-        total_q). Not yet with dropout, runtime block sparsity, input gradients or torch.compile.
+        positions and lengths inside each sequence, and b = the sequence (dropout's pattern too). O is (total_q, Hq,
+        D), the lse (Hq, total_q). Not yet with runtime block sparsity, input gradients or torch.compile.
 
         Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of custom
         ops (forward, backward) named after the kernel, so a compiled model calls it with no graph break."""
@@ -202,7 +202,7 @@ class Kernel:
         self._check_block_mask(block_mask)
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(t.requires_grad for t in tensors))
         if varlen is not None:
-            _check_varlen_features(self.spec, p, tensors, grad)
+            _check_varlen_features(self.spec, tensors, grad)
         if compiling:
             o, lse2 = self._ops().forward(q, k, v, tensors, p, seed_t, block_mask)
         elif not grad:
@@ -289,12 +289,12 @@ class Kernel:
             # their longest keys); input gradients are the Triton kernels'
             dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, varlen=varlen)
             return dq, dk, dv, [t.new_empty(0) for t in floats]
+        extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
         if varlen is not None:  # packed sequences: the Triton generator's kernels (no input gradients: refused at the call)
             with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
-                dq, dk, dv = self.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, varlen=varlen)
+                dq, dk, dv = self.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **extra, varlen=varlen)
             return dq, dk, dv, [t.new_empty(0) for t in floats]
         reads = self.plan.read_grads
-        extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
         if input_grads and reads:
             extra["input_grads"] = True
         flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
@@ -405,10 +405,8 @@ def _longest_sequence(name: str, cu: torch.Tensor, total: int) -> int:
     return longest
 
 
-def _check_varlen_features(spec: Spec, dropout_p: float, inputs: list[torch.Tensor], grad: bool) -> None:
+def _check_varlen_features(spec: Spec, inputs: list[torch.Tensor], grad: bool) -> None:
     """What packed sequences do not support yet: an InputError before any kernel runs."""
-    if dropout_p:
-        raise InputError("dropout with packed sequences (cu_seqlens) is not supported yet; pass dropout_p=0.0 or pad the batch")
     if spec.sparsity == "runtime":
         raise InputError("runtime block sparsity with packed sequences (cu_seqlens) is not supported yet")
     if grad and any(t.requires_grad for t in inputs):

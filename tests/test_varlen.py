@@ -122,12 +122,37 @@ def test_bad_packed_calls_say_what_is_wrong(changes, message, target, device):
         _call(kern, device, **changes)
 
 
-def test_dropout_with_packed_sequences_is_refused_for_now(target, device):
+def test_dropout_with_packed_sequences_is_a_function_of_the_sequence(target, device):
+    """Dropout's pattern in a packed call is the kernels' function of (seed, b = the sequence, h, q_idx, kv_idx),
+    positions inside the sequence: O and the gradients match the float64 reference applying attngen.dropout_mask
+    at b = each sequence's index."""
     kern = attngen.compile(ROOT / "specs" / "causal_dropout.attn", target)
-    with pytest.raises(InputError, match="dropout with packed sequences"):
-        _call(kern, device, q=torch.randn(10, HQ, kern.spec.head_dim).to(device=device, dtype=TORCH_DTYPES[kern.spec.dtype.value]),
-              k=torch.randn(12, HKV, kern.spec.head_dim).to(device=device, dtype=TORCH_DTYPES[kern.spec.dtype.value]),
-              v=torch.randn(12, HKV, kern.spec.head_dim).to(device=device, dtype=TORCH_DTYPES[kern.spec.dtype.value]))
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
+    lengths = ([3, 0, 70, 129], [5, 2, 70, 130])
+    cq, ck = _offsets(lengths[0], device), _offsets(lengths[1], device)
+    gen = torch.Generator().manual_seed(1)
+    d = kern.spec.head_dim
+    q, do = (torch.randn(sum(lengths[0]), HQ, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(sum(lengths[1]), HKV, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = kern(*leaves, cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=0.3, seed=11)
+    grads = torch.autograd.grad(out, leaves, do)
+    assert not any(torch.isnan(t).any() for t in (out, *grads))
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attngen.reference(kern, *wide, cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=0.3, seed=11, dtype=torch.float64)
+    narrow = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    naive = attngen.reference(kern, *narrow, cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=0.3, seed=11, dtype=dtype)
+    err, _, bound = _bound(out.detach().cpu(), naive.detach().cpu(), ref.detach().cpu(), 2)
+    assert err <= bound, (err, bound)
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    naive_grads = torch.autograd.grad(naive, narrow, do)
+    for what, g, rg, ng in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+        err, _, bound = _bound(g.cpu(), ng.cpu(), rg.cpu(), 3, 1.0)
+        assert err <= bound, (what, err, bound)
+    # another sequence index gives another pattern: the reference with every sequence moved one place on differs
+    shifted = attngen.reference(kern, *wide, cu_seqlens_q=_offsets([0] + lengths[0], device), cu_seqlens_k=_offsets([0] + lengths[1], device),
+                                dropout_p=0.3, seed=11, dtype=torch.float64)
+    assert (shifted - ref).abs().max() > 0.1
 
 
 def test_max_seqlen_without_cu_seqlens_is_refused(target, device):
