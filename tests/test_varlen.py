@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import attngen
+from attngen import verify
 from attngen.dtypes import TORCH_DTYPES
 from attngen.errors import InputError
 from attngen.verify import _bound
@@ -25,12 +26,19 @@ def _offsets(lengths, device):
 
 
 def _inputs(kern, device, gen):
-    if kern.spec.name == "key_padding":  # lens[B]: the keys each sequence keeps (b = the sequence)
-        return {"lens": torch.tensor([2, 3, 1, 100, 129, 7, 0], dtype=torch.int32, device=device)}
-    return {}
+    """The spec's declared inputs for the packed batch, sized by the longest sequences: b indexes sequences."""
+    return verify.make_inputs(kern.spec, len(LENGTHS[0]), HQ, max(LENGTHS[0]), max(LENGTHS[1]), device, gen)
 
 
-@pytest.mark.parametrize("name", ["causal", "causal_bottom_right", "sliding_window", "causal_softcap", "key_padding"])
+# every shipped spec but those whose features packed calls refuse (runtime sparsity, kv_outer) and dropout's
+# (its pattern depends on b, so a sequence alone is another pattern: test_dropout_with_packed_sequences_...)
+PACKED_SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.attn") if p.stem not in ("block_sparse_runtime", "causal_fa1", "causal_dropout"))
+
+
+QUICK = ("causal", "causal_bottom_right", "sliding_window", "causal_softcap", "key_padding")  # the rest are slow: ~20 s each
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in PACKED_SPECS])
 def test_packed_sequences_match_each_sequence_alone_and_the_reference(name, target, device):
     _check_packed(attngen.compile(ROOT / "specs" / f"{name}.attn", target), device)
 
@@ -57,6 +65,7 @@ def _check_packed(kern, device, exact_dq=True):
     q, do = (torch.randn(sum(LENGTHS[0]), HQ, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
     k, v = (torch.randn(sum(LENGTHS[1]), HKV, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
     inputs = _inputs(kern, device, gen)
+    batched = {d.name: d.dims[0] == "B" for d in kern.spec.inputs}  # indexed by b: sliced to the sequence alone
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = kern(*leaves, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **inputs)
     assert out.shape == q.shape and lse.shape == (HQ, q.shape[0])
@@ -68,7 +77,7 @@ def _check_packed(kern, device, exact_dq=True):
     for i in range(len(LENGTHS[0])):
         qs, ks, vs, dos = (t[lo:hi].transpose(0, 1)[None].detach().clone().requires_grad_(t is not do)
                            for t, lo, hi in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1]), (do, cq[i], cq[i + 1])))
-        alone, alone_lse = kern(qs, ks, vs, return_lse=True, **{n: t[i:i + 1] for n, t in inputs.items()})
+        alone, alone_lse = kern(qs, ks, vs, return_lse=True, **{n: t[i:i + 1] if batched[n] else t for n, t in inputs.items()})
         rows = slice(cq[i], cq[i + 1])
         assert torch.allclose(out[rows].transpose(0, 1)[None], alone, atol=0, rtol=0), (name, i)
         assert torch.equal(lse[:, rows][None], alone_lse), (name, i)
