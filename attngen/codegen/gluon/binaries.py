@@ -67,7 +67,7 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
         packed = (cu, cu, q_len, kv_len)
         op, dqp = torch.empty_like(qp), torch.empty(qp.shape, dtype=torch.float32)
         kernels |= {
-            "_attn_fwd varlen": compile_kernel(module._attn_fwd, module.packed_launch_args(qp, kp, kp, op, lse, cu, cu, *inputs), warps | {"VARLEN": True}),
+            "_attn_fwd varlen": compile_kernel(module._attn_fwd, module.launch_args(qp, kp, kp, op, lse, *inputs, varlen=packed), warps | {"VARLEN": True}),
             "_attn_bwd varlen": compile_kernel(module._attn_bwd, module.bwd_launch_args(qp, kp, kp, op, stats, order, dqp, kp, kp, *inputs, varlen=packed),
                                                warps | {"VARLEN": True}),
             "_bwd_delta varlen": compile_kernel(module._bwd_delta, module.delta_launch_args(op, op, lse, None, stats, order, kp, *inputs, varlen=packed),
