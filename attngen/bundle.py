@@ -262,12 +262,15 @@ def record_gluon_launches(kernel_plan, choice, module, arch: int) -> list[_Launc
     import torch
 
     spec = kernel_plan.spec
+    # dropout on and off (evaluation); the seed goes as two int32 halves, so every seed is one specialization
+    dropouts = [{"dropout_p": spec.dropout, "seed": 2**40 + 1}, {"dropout_p": 0.0, "seed": 1}] if spec.dropout > 0.0 else [{}]
     with _Recording(module, arch) as sink:
         for _, q, k, v, inputs in _calls(spec):
             tensors = [inputs[d.name] for d in spec.inputs]
-            o, lse = module.attention_forward(q, k, v, *tensors)
-            if choice.backward == "gluon":
-                module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors)
+            for extra in dropouts:
+                o, lse = module.attention_forward(q, k, v, *tensors, **extra)
+                if choice.backward == "gluon":
+                    module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra)
     return _unique(sink)
 
 

@@ -262,7 +262,7 @@ class Kernel:
         if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
             return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
-            return self.gluon.attention_forward(q, k, v, *inputs, varlen=varlen)
+            return self.gluon.attention_forward(q, k, v, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device), varlen=varlen)
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
             o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask, varlen)
             return o.to(torch.bfloat16), lse
@@ -287,7 +287,8 @@ class Kernel:
         if self.generator.backward_for(dims.kv_len) == "gluon" and not input_grads and _is_sm90(q.device):
             # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py; packed sequences by
             # their longest keys); input gradients are the Triton kernels'
-            dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, varlen=varlen)
+            dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device),
+                                                       varlen=varlen)
             return dq, dk, dv, [t.new_empty(0) for t in floats]
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
         if varlen is not None:  # packed sequences: the Triton generator's kernels (no input gradients: refused at the call)

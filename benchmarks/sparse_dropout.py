@@ -82,6 +82,11 @@ def dropout_table(q, k, v, do) -> list[dict]:
                               lambda out: (out[:1, :2].float() - ref).abs().max().item(), flop)
         row["p0"] = measure("attngen p=0", lambda q, k, v: kern(q, k, v, dropout_p=0.0), q, k, v, do,
                             lambda out: (out[:1, :2].float() - ref0).abs().max().item(), flop)
+        row["generator"] = f"{kern.generator.generator} / {kern.generator.backward}"
+        if kern.generator.generator == "gluon":  # the Triton generator's kernels of the same spec, for comparison
+            twin = attngen.compile(kern.spec, backend="triton")
+            row["p0.1_triton"] = measure("attngen p=0.1 (Triton generator)", lambda q, k, v: twin(q, k, v, dropout_p=0.1, seed=seed), q, k, v, do,
+                                         lambda out: (out[:1, :2].float() - ref).abs().max().item(), flop)
 
         def flash(q, k, v):
             return sdpa(SDPA_FLASH, q, k, v, causal)
@@ -125,13 +130,14 @@ def main():
         vs = f"{f['fwd_ms'] / a['fwd_ms']:.2f}/{f['bwd_ms'] / a['bwd_ms']:.2f}" if "fwd_ms" in a and "fwd_ms" in f else "-"
         prop = f"{r['fwd_vs_dense']:.2f}/{r['bwd_vs_dense']:.2f}" if "fwd_vs_dense" in r else "-"
         print(f"{r['density']:8.3f}{r['kept']:7.3f}{cell(a):>16}{cell(f):>16}{vs:>12}{prop:>14}{r['lists_ms'] * 1e3:10.1f}")
-    print("dropout 0.1: fwd+bwd ms; 'cost' = attngen p=0.1 over p=0 (target <= 1.15); 'vs flash' = SDPA flash p=0.1 over"
-          " attngen p=0.1 (target >= 1.4)")
-    print(f"{'mask':>8}{'p=0':>10}{'p=0.1':>10}{'flash p=0':>11}{'flash p=0.1':>13}{'cost':>7}{'vs flash':>10}")
+    print("dropout 0.1: fwd+bwd ms (fwd / bwd for p=0.1); 'cost' = attngen p=0.1 over p=0 (target <= 1.15); 'vs flash' = SDPA flash"
+          " p=0.1 over attngen p=0.1 (target >= 1.4); 'triton gen' = the same spec through the Triton generator")
+    print(f"{'mask':>8}{'generators':>16}{'p=0':>8}{'p=0.1':>20}{'triton gen':>20}{'flash p=0':>11}{'flash p=0.1':>13}{'cost':>7}{'vs flash':>10}")
     for r in drop:
         t = {key: _total(r[key]) for key in ("p0", "p0.1", "sdpa_flash_p0", "sdpa_flash_p0.1")}
-        print(f"{r['mask']:>8}{t['p0']:10.2f}{t['p0.1']:10.2f}{t['sdpa_flash_p0']:11.2f}{t['sdpa_flash_p0.1']:13.2f}"
-              f"{t['p0.1'] / t['p0']:7.2f}{t['sdpa_flash_p0.1'] / t['p0.1']:10.2f}")
+        split = lambda x: f"{_total(x):6.2f} ({x['fwd_ms']:.2f}/{x['bwd_ms']:.2f})" if "fwd_ms" in x else "-"  # noqa: E731
+        print(f"{r['mask']:>8}{r['generator']:>16}{t['p0']:8.2f}{split(r['p0.1']):>20}{split(r.get('p0.1_triton', {})):>20}"
+              f"{t['sdpa_flash_p0']:11.2f}{t['sdpa_flash_p0.1']:13.2f}{t['p0.1'] / t['p0']:7.2f}{t['sdpa_flash_p0.1'] / t['p0.1']:10.2f}")
     errors = [(name, r[name]["error"]) for r in sparse + drop for name in r if isinstance(r[name], dict) and "error" in r[name]]
     for name, err in errors:
         print(f"ERROR {name}: {err}")

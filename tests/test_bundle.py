@@ -250,6 +250,28 @@ def test_recording_covers_every_flag_the_spec_implies(spec, flags):
     assert len(launches) <= 12
 
 
+def test_gluon_recording_covers_dropout_on_and_off():
+    """A Gluon module of a spec with dropout: its forward and backward are recorded with dropout compiled in and
+    without (evaluation), one specialization each whatever the seed (its two int32 halves are not specialized)."""
+    from attngen.check import load_spec
+    from attngen.codegen.gluon import build_source, choose
+    from attngen.plan import plan
+
+    spec = load_spec("attention drop {\n head_dim = 128\n dtype = bf16\n mask = q_idx >= kv_idx\n dropout = 0.1\n backend = gluon\n}")
+    p = plan(spec, "h100")
+    choice = choose(spec, p)
+    _, source = build_source(choice.gluon)
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "drop_gluon.py"
+    path.write_text(source)
+    module = bundle._import_compiled("test_record_drop_gluon", path, source)
+    launches = bundle.record_gluon_launches(p, choice, module, 90)
+    flags = {(launch.kernel, json.loads(launch.key)["constants"].get("DROPOUT")) for launch in launches}
+    assert {("_attn_fwd", "True"), ("_attn_fwd", "False"), ("_attn_bwd", "True"), ("_attn_bwd", "False")} <= flags, flags
+    assert len([launch for launch in launches if launch.kernel == "_attn_fwd"]) == 2
+
+
 def test_build_refuses_what_cannot_run_on_the_target(tmp_path):
     with pytest.raises(attngen.PlanError, match="causal.attn for t4: .*bf16 needs compute capability 8.0"):
         bundle.build([ROOT / "specs" / "causal.attn"], ["t4"], tmp_path / "o", progress=False)

@@ -30,7 +30,7 @@ ROOT = Path(__file__).parent.parent
 SPECS = {p.stem: p for p in sorted((ROOT / "specs").glob("*.attn"))}
 # What the generator takes of the shipped specs, and why not the others (each reason, as plan.py words it)
 NOT_TAKEN = {
-    "block_sparse_runtime": "runtime block sparsity", "causal_dropout": "dropout", "causal_fa1": "loop_order = kv_outer",
+    "block_sparse_runtime": "runtime block sparsity", "causal_fa1": "loop_order = kv_outer",
     "dilated": "head_dim 32", "document": "per-chunk bounds (the pre-pass)", "odd_head_dim": "dtype fp32",
 }
 TAKEN = sorted(set(SPECS) - set(NOT_TAKEN))
@@ -41,7 +41,7 @@ def _spec(name, **changes):
 
 
 def test_what_the_generator_takes_and_why_not():
-    assert TAKEN == ["alibi", "butterfly_blocks", "causal", "causal_bottom_right", "causal_softcap", "dense", "key_padding",
+    assert TAKEN == ["alibi", "butterfly_blocks", "causal", "causal_bottom_right", "causal_dropout", "causal_softcap", "dense", "key_padding",
                      "local_global_blocks", "local_window", "prefix_lm", "relative_bias", "sliding_window", "strided_blocks"]
     for name in SPECS:
         spec = _spec(name)
@@ -67,9 +67,9 @@ def test_auto_takes_gluon_where_it_was_measured_faster():
 
 
 def test_backend_gluon_for_what_it_cannot_render_is_a_plan_error():
-    spec = load_spec("attention t { head_dim = 64 dtype = bf16 dropout = 0.1 backend = gluon }")
+    spec = load_spec("attention t { head_dim = 32 dtype = bf16 backend = gluon }")
     assert spec.backend is Backend.GLUON
-    with pytest.raises(PlanError, match="backend = gluon, but the Gluon generator cannot render it: dropout"):
+    with pytest.raises(PlanError, match="backend = gluon, but the Gluon generator cannot render it: head_dim 32"):
         attngen.compile(spec, "h100")
     with pytest.raises(attngen.InputError, match="backend must be one of auto, triton, gluon; got 'cuda'"):
         attngen.compile("specs/causal.attn", "h100", backend="cuda")
@@ -234,8 +234,10 @@ def test_every_taken_spec_compiles_for_sm90(tmp_path):
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
         lines = [json.loads(line) for line in run.stdout.splitlines()]
-        kernels = ("_attn_fwd", "_attn_bwd", "_bwd_delta")
-        assert [(r["kernel"], r["dtype"]) for r in lines] == [(k + tail, t) for t in ("bf16", "fp16") for tail in ("", " varlen") for k in kernels]
+        kernels = [k + tail for tail in ("", " varlen") for k in ("_attn_fwd", "_attn_bwd", "_bwd_delta")]
+        if _spec(name).dropout:  # and with dropout compiled in
+            kernels += [k + tail + " dropout" for k in ("_attn_fwd", "_attn_bwd") for tail in ("", " varlen")]
+        assert sorted((r["kernel"], r["dtype"]) for r in lines) == sorted((k, t) for t in ("bf16", "fp16") for k in kernels)
         for r in lines:
             assert r["cubin_bytes"] > 0 and 0 <= r["shared"] <= smem, (name, r)
             if not r["kernel"].startswith("_bwd_delta"):
@@ -270,6 +272,7 @@ def test_gluon_forward_matches_the_reference(name, device):
         assert all(r.ok for r in results), verify.format_table(name, results)
         q, k, v = (torch.randn(2, 4, 777, kern.spec.head_dim, device="cuda", dtype=TORCH_DTYPES[kern.spec.dtype.value]) for _ in range(3))
         inputs = verify.make_inputs(kern.spec, 2, 4, 777, 777, "cuda", torch.Generator().manual_seed(1))
+        inputs |= {"seed": 5} if kern.spec.dropout else {}  # the same dropout pattern
         assert torch.equal(kern(q, k, v, **inputs), kern(q, k, v, **inputs))
 
 
@@ -290,6 +293,7 @@ def test_gluon_backward_matches_the_reference(name, deterministic, device):
         q, do = (torch.randn(2, 4, 777, kern.spec.head_dim, device="cuda", dtype=TORCH_DTYPES[dtype.value], generator=gen) for _ in range(2))
         k, v = (torch.randn(2, 2, 777, kern.spec.head_dim, device="cuda", dtype=TORCH_DTYPES[dtype.value], generator=gen) for _ in range(2))
         inputs = verify.make_inputs(kern.spec, 2, 4, 777, 777, "cuda", torch.Generator().manual_seed(1))
+        inputs |= {"seed": 5} if kern.spec.dropout else {}  # the same dropout pattern
         runs = []
         for _ in range(2):
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -325,3 +329,32 @@ def test_a_head_reads_nothing_of_the_next_one(name, device):
         got = got[:, :1].double()
         assert torch.isfinite(got).all()
         assert (got - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_dropout_draws_the_pattern_of_dropout_mask(head_dim, device):
+    """The Gluon kernels' dropout pattern is attngen.dropout_mask's, bit for bit (the Triton generator's too): with
+    q = 0 every probability is 1 / N, so with V's rows unit vectors, O[i, c] = (keep[i, c] + 2 keep[i, c + D]) *
+    scale / N names each pair's decision; with dO's rows unit vectors, dV does the same for the backward's
+    pattern, transposed."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    spec = load_spec(f"attention drop {{ head_dim = {head_dim}\n dtype = bf16\n dropout = 0.25 }}")
+    kern = attngen.compile(spec, backend="gluon")
+    assert kern.generator.generator == "gluon" and kern.generator.backward == "gluon"
+    d, n = head_dim, 2 * head_dim
+    eye = torch.eye(d, device="cuda", dtype=torch.bfloat16)
+    units = torch.cat([eye, 2 * eye])[None, None].expand(2, 3, n, d).contiguous()  # row j: e_(j % D), doubled from D on
+    scale = n * (1 - attngen.dropout_probability(0.25))
+    for seed in (0, 12345, 2**40 + 3):
+        q = torch.zeros(2, 3, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(2, 3, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = units.clone().requires_grad_()
+        o = kern(q, k, v, seed=seed)
+        _, _, dv = torch.autograd.grad(o, (q, k, v), units)
+        keep = attngen.dropout_mask(seed, 0.25, 2, 3, n, n, device="cuda")
+        want = keep[..., :d].int() + 2 * keep[..., d:].int()  # [b, h, query, c]
+        assert torch.equal(torch.round(o.float() * scale).int(), want), seed
+        want_t = keep.transpose(2, 3)  # [b, h, key, query]
+        got_t = torch.round(dv.float() * scale).int()  # dV[j, c] = (keep[c, j] + 2 keep[c + D, j]) / scale
+        assert torch.equal(got_t, want_t[..., :d].int() + 2 * want_t[..., d:].int()), seed

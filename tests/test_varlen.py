@@ -131,11 +131,15 @@ def test_bad_packed_calls_say_what_is_wrong(changes, message, target, device):
         _call(kern, device, **changes)
 
 
-def test_dropout_with_packed_sequences_is_a_function_of_the_sequence(target, device):
+@pytest.mark.parametrize("backend", ["auto", "gluon"])
+def test_dropout_with_packed_sequences_is_a_function_of_the_sequence(backend, target, device):
     """Dropout's pattern in a packed call is the kernels' function of (seed, b = the sequence, h, q_idx, kv_idx),
     positions inside the sequence: O and the gradients match the float64 reference applying attngen.dropout_mask
-    at b = each sequence's index."""
-    kern = attngen.compile(ROOT / "specs" / "causal_dropout.attn", target)
+    at b = each sequence's index. backend = gluon: both passes by the Gluon generator's kernels (on sm_90)."""
+    if backend == "gluon" and device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    kern = attngen.compile(ROOT / "specs" / "causal_dropout.attn", target, backend=backend)
+    assert backend == "auto" or kern.generator.generator == kern.generator.backward == "gluon"
     dtype = TORCH_DTYPES[kern.spec.dtype.value]
     lengths = ([3, 0, 70, 129], [5, 2, 70, 130])
     cq, ck = _offsets(lengths[0], device), _offsets(lengths[1], device)

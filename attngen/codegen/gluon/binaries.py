@@ -41,7 +41,8 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     """The module's kernels (forward, backward and its pre-pass) compiled for sm_90 from the signatures of a
     call on CPU tensors of these sizes (descriptors carry only their block shape and layout in the signature,
     and the sizes are never specialized: one binary serves every size), and with `varlen` their packed-sequence
-    specializations ("... varlen"). {kernel name: CompiledKernel}."""
+    specializations ("... varlen"); for a spec with dropout, the forward and backward with it compiled in too
+    ("... dropout", "... varlen dropout"). {kernel name: CompiledKernel}."""
     import torch
 
     from ...dtypes import TORCH_DTYPES
@@ -73,6 +74,20 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
             "_bwd_delta varlen": compile_kernel(module._bwd_delta, module.delta_launch_args(op, op, lse, None, stats, order, kp, *inputs, varlen=packed),
                                                 {"num_warps": 4, "VARLEN": True}),
         }
+    if hasattr(module, "dropout_args"):  # dropout compiled in (p > 0), with a seed of 64 bits
+        dropout, flag = module.dropout_args(0.1, 2**40 + 7)
+        kernels |= {
+            "_attn_fwd dropout": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, dropout=dropout), warps | flag),
+            "_attn_bwd dropout": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, order, dq, k, k, *inputs, dropout=dropout),
+                                                warps | flag),
+        }
+        if varlen:
+            kernels |= {
+                "_attn_fwd varlen dropout": compile_kernel(module._attn_fwd, module.launch_args(qp, kp, kp, op, lse, *inputs, varlen=packed, dropout=dropout),
+                                                           warps | flag | {"VARLEN": True}),
+                "_attn_bwd varlen dropout": compile_kernel(module._attn_bwd, module.bwd_launch_args(qp, kp, kp, op, stats, order, dqp, kp, kp, *inputs,
+                                                                                                    varlen=packed, dropout=dropout), warps | flag | {"VARLEN": True}),
+            }
     return kernels
 
 

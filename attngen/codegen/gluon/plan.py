@@ -93,8 +93,6 @@ def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
         why.append("dtype fp32: its matrix products are bf16/fp16 wgmma")
     if spec.head_dim not in HEAD_DIMS:
         why.append(f"head_dim {spec.head_dim}: its kernels take {' or '.join(map(str, HEAD_DIMS))}")
-    if spec.dropout:
-        why.append("dropout: the Philox pattern is not ported to Gluon yet")
     if spec.sparsity == "runtime":
         why.append("runtime block sparsity: the block lists are not ported to Gluon yet")
     if spec.loop_order is LoopOrder.KV_OUTER:

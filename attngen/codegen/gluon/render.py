@@ -55,6 +55,7 @@ def context(gp: GluonPlan) -> dict:
         "qk_scale_log2": repr(float(plan.scale) * LOG2E),
         "has_mask": plan.mask is not None,
         "has_score": plan.score is not None,
+        "has_dropout": spec.dropout > 0.0,
         "deterministic": spec.deterministic,  # dQ's additions in a fixed order
         "guard_rows": plan.may_mask_rows,
         "mask": translate(fwd.mask),
