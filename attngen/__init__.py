@@ -5,6 +5,7 @@
     ref = attngen.reference(kern.spec, q, k, v)     # the naive, materialized reference
 
     attngen.install_import_hook()                   # `import pkg.causal` compiles pkg/causal.attn (attngen.importer)
+    attngen.kvcache.append(k_cache, v_cache, k_new, v_new, lens, block_table)   # serving (README, "Serving")
 
 Importing attngen does not import Triton: set TRITON_INTERPRET=1 before the first kernel call to run on CPU.
 Hugging Face transformers models: `import attngen.hf` (attngen.hf.register).
@@ -49,6 +50,10 @@ def __getattr__(name):
         from . import importer
 
         return getattr(importer, name)
+    if name == "kvcache":  # serving: attngen.kvcache.append / gather (key/value caches, paged or contiguous)
+        import importlib
+
+        return importlib.import_module(".kvcache", __name__)  # (`from . import` would ask this function again)
     if name == "load_spec":
         from .check import load_spec
 
@@ -70,6 +75,7 @@ __all__ = [
     "block_mask_from",
     "block_mask_from_dense",
     "load_spec",
+    "kvcache",
     "install_import_hook",
     "uninstall_import_hook",
     "TargetWarning",

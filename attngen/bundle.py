@@ -17,7 +17,8 @@ A build finds the specializations a spec really needs the way the GPU would: it 
 with real (not interpreted) Triton kernels, puts a recorder in place of each kernel, and calls the module's
 own launchers (forward and backward; with and without dropout and input gradients where the spec has them)
 on small CPU tensors at three sequence lengths whose strides fall in different divisibility classes (256,
-200, 201). Triton's own binder specializes each recorded launch for the target's backend, as the JIT does
+200, 201), and its decode launcher with per-sequence lengths (programs of 16, 32 and 64 rows, the keys split
+and not; a paged spec's only launcher). A decode call without kv_lens, or with q_lens, is compiled just in time. Triton's own binder specializes each recorded launch for the target's backend, as the JIT does
 on the device; every distinct specialization is compiled with
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` (GluonASTSource for a Gluon kernel), in
 worker processes (a crash in LLVM cannot take the build down with it). The Gluon module's launchers are
@@ -62,10 +63,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .errors import AttngenError
+from .spec import KVLayout
 
 FORMAT = "attngen-bundle/1"
 MANIFEST = "manifest.json"
 SHAPES = ((2, 4, 2, 256, 256), (2, 4, 2, 200, 200), (1, 2, 1, 201, 201))  # (B, Hq, Hkv, Nq, Nk); see the module doc
+# Decode calls with per-sequence lengths (attngen/decode.py): programs of 16, 32 and 64 rows (a key/value head's
+# query heads x the new tokens), with the keys split or not: (B, Hq, Hkv, Nq) over a cache of 256 keys
+DECODE_SHAPES = ((2, 8, 2, 1), (1, 8, 1, 4), (1, 8, 1, 8))
 KEEP_EXTENSIONS = ("cubin", "json", "ptx")  # the binary, Triton's metadata (both needed to launch), and the readable PTX
 # Triton options that change the binary (the others are the backend's constants or build-machine paths)
 OPTION_KEYS = ("arch", "num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
@@ -242,7 +247,9 @@ def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
     spec = kernel_plan.spec
     kern = Kernel(spec, kernel_plan, "", Path(module.__file__), module)
     with _Recording(module, arch) as sink:
-        for shape, q, k, v, inputs in _calls(spec):
+        if hasattr(module, "attention_decode"):
+            _record_decode(spec, module)
+        for shape, q, k, v, inputs in _calls(spec) if spec.kv_layout is not KVLayout.PAGED else ():
             block_mask = inputs.pop("block_mask", None)
             tensors = [inputs[d.name] for d in spec.inputs]
             # dropout on and off (evaluation); seeds of 31 and 64 bits are different argument types
@@ -253,6 +260,33 @@ def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
                     grads = {"input_grads": True} if input_grads else {}
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **grads, **extra)
     return _unique(sink)
+
+
+def _record_decode(spec, module) -> None:
+    """The decode launcher's calls with per-sequence lengths (DECODE_SHAPES), split in 1 and 2 runs."""
+    import torch
+
+    from .decode import block_rows
+    from .dtypes import TORCH_DTYPES
+    from .verify import make_inputs
+
+    dtype = TORCH_DTYPES[spec.dtype.value]
+    paged = spec.kv_layout is KVLayout.PAGED
+    for B, Hq, Hkv, Nq in DECODE_SHAPES:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(B, Hq, Nq, spec.head_dim, generator=gen).to(dtype)
+        if paged:
+            pages = 256 // spec.page_size
+            k = torch.randn(B * pages, spec.page_size, Hkv, spec.head_dim, generator=gen).to(dtype)
+            table = {"block_table": torch.arange(B * pages, dtype=torch.int32).view(B, pages)}
+        else:
+            k = torch.randn(B, Hkv, 256, spec.head_dim, generator=gen).to(dtype)
+            table = {}
+        inputs = make_inputs(spec, B, Hq, Nq, 256, "cpu", gen)
+        tensors = [inputs[d.name] for d in spec.inputs]
+        for splits in (1, 2):
+            module.attention_decode(q, k, k, *tensors, kv_lens=torch.full((B,), 200, dtype=torch.int32), block_r=block_rows(Hq // Hkv * Nq),
+                                    num_splits=splits, **table)
 
 
 def record_gluon_launches(kernel_plan, choice, module, arch: int) -> list[_Launch]:

@@ -26,6 +26,9 @@ def format_spec(spec: Spec) -> str:
         lines.append(f"    backend = {spec.backend.value}")
     if not spec.deterministic:  # likewise printed only when chosen
         lines.append("    deterministic = false")
+    if spec.kv_layout.value != "contiguous":  # likewise
+        lines.append(f"    kv_layout = {spec.kv_layout.value}")
+        lines.append(f"    page_size = {spec.page_size}")
     for key in ("block_m", "block_n", "num_warps", "num_stages"):
         val = "auto" if key in spec.tune else getattr(spec, key)
         if val is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from . import expr as ex
 from .errors import AttngenError, SpecError
 from .ranges import INT32, INT64, integer_range, within
-from .spec import Backend, Binary, Call, Const, DType, Expr, InputDecl, INPUT_DTYPES, LoopOrder, Spec, Type, Unary, Var
+from .spec import Backend, Binary, Call, Const, DType, Expr, InputDecl, INPUT_DTYPES, KVLayout, LoopOrder, Spec, Type, Unary, Var
 from .syntax import ParsedSpec, Setting, parse
 from .targets import TARGETS
 
@@ -27,6 +27,8 @@ SETTINGS = (
     "target",
     "backend",
     "deterministic",
+    "kv_layout",
+    "page_size",
     "block_m",
     "block_n",
     "num_warps",
@@ -43,6 +45,7 @@ RESERVED = (
     | set(ex.FUNCTIONS)
     | {"true", "false", "True", "False", "input", "attention", "auto", "none", "runtime"}
     | {"q", "k", "v", "o", "do", "lse", "return_lse", "dropout_p", "seed", "block_mask", "tiles", "tl", "triton", "torch"}
+    | {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "kv_lens", "q_lens", "block_table", "num_splits"}
 )
 
 
@@ -79,7 +82,8 @@ def _int_setting(s: Setting, lo: int, hi: int, *, allow_auto: bool = False, powe
     if not lo <= n <= hi:
         raise SpecError(f"{s.key} = {n} is out of range; expected {lo}..{hi}", s.value.span)
     if power_of_two and n & (n - 1):
-        why = "Triton's tl.arange needs one" if s.key.startswith("block") else "Triton requires it"
+        why = {"block": "Triton's tl.arange needs one", "page_size": "a key's page and slot are its index shifted and masked"}.get(
+            "block" if s.key.startswith("block") else s.key, "Triton requires it")
         raise SpecError(f"{s.key} = {n} must be a power of two ({why})", s.value.span)
     return n
 
@@ -219,6 +223,12 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
         if not (isinstance(s.value, Const) and s.value.type is Type.BOOL):
             raise SpecError("deterministic must be true or false", s.value.span)
         values["deterministic"] = bool(s.value.value)
+    if "kv_layout" in seen:
+        values["kv_layout"] = KVLayout(_choice(seen["kv_layout"], tuple(k.value for k in KVLayout)))
+    if "page_size" in seen:
+        if values.get("kv_layout") is not KVLayout.PAGED:
+            raise SpecError("page_size goes with kv_layout = paged (the keys and values in pages of a cache)", seen["page_size"].key_span)
+        values["page_size"] = _int_setting(seen["page_size"], 16, 256, power_of_two=True)
     tune = set()
     for key, lo, hi, pow2 in (("block_m", 16, 256, True), ("block_n", 16, 256, True), ("num_warps", 1, 16, True), ("num_stages", 1, 8, False)):
         if key in seen:
@@ -249,6 +259,13 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
             sp = _expression(s, scope, Type.BOOL)
             values["sparsity"] = None if sp == Const(True, Type.BOOL) else sp
 
+    if values.get("kv_layout") is KVLayout.PAGED:  # a serving layout: the decode kernels, forward only
+        for key, bad, why in (("dropout", values.get("dropout", 0.0) > 0.0, "a paged cache is read by the forward only (serving)"),
+                              ("sparsity", values.get("sparsity") == "runtime", "runtime block masks are not read through a block table"),
+                              ("loop_order", values.get("loop_order") is LoopOrder.KV_OUTER, "a paged cache is read by the decode kernels, which "
+                                                                                                  "split the keys themselves")):
+            if bad:
+                raise SpecError(f"{key} cannot go with kv_layout = paged: {why}", seen[key].key_span)
     return Spec(name=parsed.name, inputs=tuple(inputs.values()), text=text, filename=filename, **values)
 
 

@@ -61,6 +61,8 @@ def specialization(arg) -> Any:
         return arg.dtype, arg.data_ptr() % 16 == 0
     if arg is None or isinstance(arg, bool):
         return arg
+    if isinstance(arg, triton.language.constexpr):  # the JIT compiles its value in, so the value is part of the key
+        return "constexpr", arg.value
     if isinstance(arg, int):
         return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, arg < 2**63
     block = getattr(arg, "block_shape", None)

@@ -110,7 +110,8 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
 
 def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype: torch.dtype | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, seed: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
-              cu_seqlens_k: torch.Tensor | None = None, **inputs: torch.Tensor):
+              cu_seqlens_k: torch.Tensor | None = None, kv_lens: torch.Tensor | None = None, q_lens: torch.Tensor | None = None,
+              block_table: torch.Tensor | None = None, **inputs: torch.Tensor):
     """Naive attention for `spec` (a Spec or a compiled kernel). Differentiable with torch autograd.
     With dropout_p > 0 (and the seed given to the kernel), probabilities are multiplied by
     attngen.dropout_mask(seed, ...) / (1 - attngen.dropout_probability(dropout_p)): the kernels' exact pattern
@@ -123,6 +124,11 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     Packed sequences (cu_seqlens_q and cu_seqlens_k, as the kernels take them): q (total_q, Hq, D), k and v
     (total_k, Hkv, D); each sequence is computed on its own, with b = its index (dropout's pattern too); O is
     (total_q, Hq, D) and the lse (Hq, total_q).
+
+    Serving, as the kernels take it: kv_lens (B,): sequence b keeps its first kv_lens[b] keys (the rest is never
+    read); q_lens (B,): its first q_lens[b] queries (the other rows give 0 and lse -inf); block_table (B, pages):
+    k and v are paged caches (num_pages, page_size, Hkv, D), read through the table (attngen.kvcache.gather).
+    Each sequence is computed on its own with its lengths as q_len and kv_len.
     """
     dtype = dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
     if dropout_p > 0.0 and seed is None:
@@ -130,6 +136,8 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _packed_reference(getattr(spec, "spec", spec), q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dtype, return_lse, inputs,
                                  dropout_p, seed)
+    if kv_lens is not None or q_lens is not None or block_table is not None:
+        return _serving_reference(getattr(spec, "spec", spec), q, k, v, kv_lens, q_lens, block_table, dtype, return_lse, inputs)
     p, lse = _softmax(getattr(spec, "spec", spec), q, k, dtype, inputs)
     Hq, Hkv = q.shape[1], k.shape[1]
     if dropout_p > 0.0:
@@ -172,6 +180,27 @@ def _packed_reference(spec, q, k, v, cq: list[int], ck: list[int], dtype, return
         lses.append(lse[0])
     out = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=dtype)
     lse = torch.cat(lses, dim=1) if lses else torch.zeros(q.shape[1], 0, dtype=dtype, device=q.device)
+    return (out, lse) if return_lse else out
+
+
+def _serving_reference(spec, q, k, v, kv_lens, q_lens, block_table, dtype, return_lse: bool, inputs):
+    if block_table is not None:
+        from .kvcache import gather
+
+        k, v = gather(k, block_table), gather(v, block_table)
+    B, Hq, Nq, _ = q.shape
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    lse = torch.full((B, Hq, Nq), float("-inf"), dtype=dtype, device=q.device)
+    for b in range(B):
+        nq = Nq if q_lens is None else int(q_lens[b])
+        nk = k.shape[2] if kv_lens is None else int(kv_lens[b])
+        if nq == 0 or nk == 0:  # no query or no key: O = 0, lse = -inf
+            continue
+        qs, ks, vs = q[b:b + 1, :, :nq], k[b:b + 1, :, :nk], v[b:b + 1, :, :nk]
+        p, row_lse = _softmax(spec, qs, ks, dtype, inputs, first_batch=b)
+        group = Hq // vs.shape[1]
+        out[b, :, :nq] = torch.matmul(p, vs.to(dtype).repeat_interleave(group, dim=1))[0]
+        lse[b, :, :nq] = row_lse[0]
     return (out, lse) if return_lse else out
 
 

@@ -16,7 +16,7 @@ from . import expr as ex
 from .canonical import spec_hash
 from .errors import PlanError
 from .intervals import keeps_first_key
-from .spec import Binary, Const, DType, Expr, Index, LoopOrder, Spec, Type, Var
+from .spec import Binary, Const, DType, Expr, Index, KVLayout, LoopOrder, Spec, Type, Var
 from .targets import Target, detect, get_target
 
 MIN_TILE = 16  # smallest tile side the matrix instructions (and tl.dot) accept
@@ -105,6 +105,10 @@ class KernelPlan:
     # engine; needs rows of head_dim * itemsize that are multiples of 16 bytes): measured, not derived
     tma: bool = False
     warp_specialize: bool = False  # the forward's loop over full tiles: tl.range(..., warp_specialize=True)
+    # decoding (attngen/decode.py): key tiles of decode_block_n rows, the rows of a key/value head's query heads
+    decode_block_n: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
 
     @property
     def dtype(self) -> DType:
@@ -129,6 +133,7 @@ class KernelPlan:
             "fwd": {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages},
             "dkdv": {"BLOCK_M": self.bwd_block_m, "BLOCK_N": self.bwd_block_n, "num_warps": self.bwd_num_warps, "num_stages": self.bwd_num_stages},
             "dq": {"BLOCK_M": self.dq_block_m, "BLOCK_N": self.dq_block_n, "num_warps": self.dq_num_warps, "num_stages": self.dq_num_stages},
+            "decode": {"BLOCK_N": self.decode_block_n, "num_warps": self.decode_num_warps, "num_stages": self.decode_num_stages},
         }
 
     @property
@@ -168,7 +173,11 @@ class KernelPlan:
             f"forward  ({self.loop_order.value}): BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} num_stages={self.num_stages}",
             f"backward dK/dV: BLOCK_M={self.bwd_block_m} BLOCK_N={self.bwd_block_n} num_warps={self.bwd_num_warps} num_stages={self.bwd_num_stages}; "
             f"dQ: BLOCK_M={self.dq_block_m} BLOCK_N={self.dq_block_n} num_warps={self.dq_num_warps} num_stages={self.dq_num_stages}",
+            f"decode: BLOCK_N={self.decode_block_n} num_warps={self.decode_num_warps} num_stages={self.decode_num_stages}, rows = the query rows "
+            f"of a key/value head's query heads (16..64 a program); keys split across programs (attngen plan --seq N)",
         ]
+        if self.spec.kv_layout is KVLayout.PAGED:
+            lines.append(f"kv_layout = paged ({self.spec.page_size}-token pages): every call runs the decode kernels (forward only)")
         return "\n".join(lines)
 
 
@@ -387,6 +396,22 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
             steps.append(Step("block sparsity", f"every tile <= sparse_block = {S}", "tiles " + ", ".join(map(str, fits))))
         bm, bn, kbm, kbn, qbm, qbn = fits
 
+    # Decoding: a program holds up to 64 query rows (a key/value head's query heads x the new tokens), so its
+    # registers are not the limit; the key tiles are, as K and V stream through shared memory once. Measured on the
+    # H100 (BENCHMARKS.md, 2026-11-25 session 8; bf16, d=128, 32 query / 8 KV heads): a contiguous cache read at
+    # 94-102 % of the copy rate with 64-key tiles from B*N = 262144 keys up, 4 stages no worse than 2 or 3; a paged
+    # cache of 16-token pages at 94-98 % with 128-key tiles (8 pages a tile) and 2 stages, 82-92 % with 64-key tiles.
+    paged = spec.kv_layout is KVLayout.PAGED and spec.page_size < 128
+    dec_bn = 128 if paged and dp <= 128 else 64 if dp <= 128 else 32
+    if spec.sparsity is not None:
+        dec_bn = min(dec_bn, spec.sparse_block)
+    dec_q = 64 * dp * isz
+    dec_stage = 2 * dec_bn * dp * isz + (64 * dec_bn * 4 if spec.dtype is DType.FP32 else 0)
+    dec_stages = max(1, min(2 if paged else 4, (smem - dec_q) // dec_stage))
+    steps.append(Step("decode tiles", f"BLOCK_N = {'128 (pages under 128 tokens: a tile gathers several)' if paged else '64'} (32 above d_pad 128); "
+                                      f"num_stages = min({2 if paged else 4}, (smem - Q {dec_q}) // (K+V stage {dec_stage})); measured",
+                      f"BLOCK_N={dec_bn}, num_stages={dec_stages}, 4 warps"))
+
     # Tile loads stay pointer loads. The templates can read Q, K, V and dO through tensor descriptors (Hopper's
     # copy engine, KernelPlan.tma), but on the H100 with Triton 3.6 that was 1-12% slower on every planned
     # configuration (benchmarks/tma_probe.py, BENCHMARKS.md session 6), so no plan turns it on.
@@ -421,4 +446,6 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         steps=tuple(steps),
         classify=classify,
         read_grads=read_grads(spec),
+        decode_block_n=dec_bn,
+        decode_num_stages=dec_stages,
     )

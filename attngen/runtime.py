@@ -14,8 +14,10 @@ import numpy as np
 import torch
 from torch import Tensor  # at module scope: the custom ops' annotations are read as strings
 
+from . import kvcache
 from .blocks import block_lists
 from .check import read_spec
+from .decode import decode_shape, takes_plain_call
 from .dtypes import TORCH_DTYPES
 from .codegen.gluon import Choice
 from .codegen.gluon import build_source as build_gluon_source
@@ -28,7 +30,7 @@ from .naive import evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
 from .ranges import MAX_EXTENT
-from .spec import Backend, DType, Index, LoopOrder, Spec, Var
+from .spec import Backend, DType, Index, KVLayout, LoopOrder, Spec, Var
 from .tune import Tuner
 from .tune import bucket as tune_bucket
 
@@ -62,7 +64,8 @@ class Kernel:
         self._direct_indices = _direct_indices(spec)
         # `auto` tiles (attngen/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
-        self._passed: dict[tuple, _Dims] = {}  # what passed _check: see there
+        self._passed: dict[tuple, _Dims] = {}  # what passed _check (and _serving_call's checks): see there
+        self._decode_shapes: dict[_Dims, object] = {}  # decode.decode_shape of each call's sizes
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
         self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _twin
         # The torch.library ops of compiled calls (about 2 ms to register; torch.compile cannot trace a registration)
@@ -101,9 +104,10 @@ class Kernel:
             self._passed[key] = dims
         return dims, ordered
 
-    def _check_all(self, q, k, v, inputs: dict, varlen=None) -> tuple[_Dims, list[torch.Tensor]]:
+    def _check_all(self, q, k, v, inputs: dict, varlen=None, paged_kv: tuple[int, int] | None = None) -> tuple[_Dims, list[torch.Tensor]]:
         """_check's checks. With packed sequences (varlen), q, k, v are (1, H, total rows, D) views and the batch
-        and lengths the expressions and inputs see are the number of sequences and the longest ones."""
+        and lengths the expressions and inputs see are the number of sequences and the longest ones. paged_kv =
+        (key/value heads, keys per sequence): k and v are pages of a cache (checked by the caller)."""
         spec = self.spec
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -120,9 +124,12 @@ class Kernel:
         B, Hq, Nq, _ = q.shape
         if k.shape != v.shape:
             raise InputError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.shape[0] != B:
+        if paged_kv is not None:
+            Hkv, Nk = paged_kv
+        elif k.shape[0] != B:
             raise InputError(f"q has batch {B}, k and v have {k.shape[0]}")
-        Hkv, Nk = k.shape[1], k.shape[2]
+        else:
+            Hkv, Nk = k.shape[1], k.shape[2]
         if Hq == 0 or Hkv == 0:
             raise InputError(f"q has {Hq} heads and k, v have {Hkv}: each needs at least one head")
         if Hq % Hkv:
@@ -130,7 +137,7 @@ class Kernel:
         for what, n in (("batch size", B), ("number of query heads", Hq), ("query length", Nq), ("key length", Nk)):
             if n >= MAX_EXTENT:  # the integer analysis of the spec's expressions (ranges.py) assumes less
                 raise InputError(f"the {what} is {n}; attngen supports at most {MAX_EXTENT - 1} (2**30 - 1)")
-        dims = _dims_of(q, k, varlen)
+        dims = _dims_of(q, k, varlen) if paged_kv is None else _Dims(B, Hq, Hkv, Nq, Nk)
 
         declared = [d.name for d in spec.inputs]
         unknown = sorted(set(inputs) - set(declared))
@@ -175,7 +182,8 @@ class Kernel:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False,
                  dropout_p: float | None = None, seed: int | None = None, block_mask: torch.Tensor | None = None,
                  cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-                 max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, **inputs: torch.Tensor):
+                 max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, kv_lens: torch.Tensor | None = None,
+                 q_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **inputs: torch.Tensor):
         """O (and the natural-log row log-sum-exp with return_lse). Dropout: `dropout_p` overrides the spec's
         `dropout` (0.0 at evaluation); `seed` (default: drawn from torch's CPU generator, so torch.manual_seed
         makes runs repeatable, under torch.compile too) fixes the pattern, which attngen.dropout_mask gives
@@ -187,10 +195,20 @@ class Kernel:
         positions and lengths inside each sequence, and b = the sequence (dropout's pattern too). O is (total_q, Hq,
         D), the lse (Hq, total_q). Not yet with runtime block sparsity, input gradients or torch.compile.
 
+        Serving (forward only, attngen/decode.py): `kv_lens` (int32 (B,)): sequence b has kv_lens[b] valid keys in
+        k, v (B, Hkv, capacity, D), the rest is never read; `q_lens` likewise for the queries (rows past it give O =
+        0, lse = -inf). A spec with `kv_layout = paged` takes k, v as caches (num_pages, page_size, Hkv, D), a
+        block_table (int32 (B, pages per sequence)) and kv_lens. Expressions see each sequence's lengths.
+        Plain calls with few queries and nothing to differentiate take the same decode kernels.
+
         Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of custom
         ops (forward, backward) named after the kernel, so a compiled model calls it with no graph break."""
         compiling = torch.compiler.is_compiling()
         varlen = None
+        if kv_lens is not None or q_lens is not None or block_table is not None or self.spec.kv_layout is KVLayout.PAGED:
+            o, lse2 = self._serving_call(q, k, v, inputs, kv_lens, q_lens, block_table, dropout_p, block_mask,
+                                         cu_seqlens_q is not None or cu_seqlens_k is not None, compiling)
+            return (o, lse2 * LN2) if return_lse else o
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             q, k, v, varlen = self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, compiling)
             dims, tensors = self._check_all(q, k, v, inputs, varlen)
@@ -203,8 +221,12 @@ class Kernel:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(t.requires_grad for t in tensors))
         if varlen is not None:
             _check_varlen_features(self.spec, tensors, grad)
-        if compiling:
+        if compiling and not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len):
+            o, lse2 = self._ops().decode(q, k, v, tensors, None, None, None)
+        elif compiling:
             o, lse2 = self._ops().forward(q, k, v, tensors, p, seed_t, block_mask)
+        elif not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len):
+            o, lse2 = self._decode_impl(q, k, v, tensors, None, None, None, dims)  # few queries, nothing to differentiate
         elif not grad:
             o, lse2 = self._forward_impl(q, k, v, tensors, p, seed_t, block_mask, varlen)  # nothing to differentiate: no autograd node
         else:
@@ -214,6 +236,89 @@ class Kernel:
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
+
+    def _serving_call(self, q, k, v, inputs: dict, kv_lens, q_lens, block_table, dropout_p, block_mask, packed: bool, compiling: bool):
+        """A call with per-sequence lengths or a paged cache: checked, then the decode kernels (forward only)."""
+        spec = self.spec
+        paged = spec.kv_layout is KVLayout.PAGED
+        if packed:
+            raise InputError("kv_lens, q_lens and block_table do not go with packed sequences (cu_seqlens)")
+        if spec.sparsity == "runtime" or block_mask is not None:
+            raise InputError(f"the decode kernels read no block mask; {spec.name!r} has sparsity = runtime, which kv_lens, q_lens and "
+                             f"paged caches do not support yet")
+        p = spec.dropout if dropout_p is None else dropout_p
+        if p:
+            raise InputError(f"kv_lens, q_lens and paged caches are for inference, without dropout: pass dropout_p=0.0 (the spec "
+                             f"{spec.name!r} says dropout = {spec.dropout})")
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise InputError(f"q must be a 4-D tensor (batch, heads, tokens, head_dim), got {tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values()) if isinstance(t, torch.Tensor))
+        # the checks below read shapes, element types and devices only: a call alike in those to one that passed skips them
+        key = ("serving", *[(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t if t is None else type(t) for t in (q, k, v, kv_lens, q_lens)],
+               (block_table.shape, block_table.stride(), block_table.dtype, block_table.device) if isinstance(block_table, torch.Tensor) else type(block_table),
+               *[(name, t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else (name, type(t)) for name, t in inputs.items()])
+        dims = None if compiling or grad else self._passed.get(key)
+        if dims is not None:
+            tensors = [inputs[d.name] for d in spec.inputs]
+        else:
+            dims, tensors = self._checked_serving_call(q, k, v, inputs, kv_lens, q_lens, block_table)
+            if not compiling:
+                if len(self._passed) >= 256:
+                    self._passed.clear()
+                self._passed[key] = dims
+        if compiling:  # one custom op; the values are not read while tracing (the kernels clamp lengths and pages)
+            return self._ops().decode(q, k, v, tensors, kv_lens, q_lens, block_table)
+        _check_serving_values(kv_lens, q_lens, block_table, dims, k.shape[0] if paged else 0, spec.page_size if paged else 0)
+        return self._decode_impl(q, k, v, tensors, kv_lens, q_lens, block_table, dims)
+
+    def _checked_serving_call(self, q, k, v, inputs: dict, kv_lens, q_lens, block_table) -> tuple[_Dims, list[torch.Tensor]]:
+        """_serving_call's checks of the tensors' shapes, types and devices."""
+        spec = self.spec
+        paged = spec.kv_layout is KVLayout.PAGED
+        batch = q.shape[0]
+        paged_kv = None
+        if paged:
+            if block_table is None or kv_lens is None:
+                raise InputError(f"the spec {spec.name!r} has kv_layout = paged: pass the caches as k and v (num_pages, {spec.page_size}, "
+                                 f"kv_heads, head_dim), block_table= (int32, sequences x pages) and kv_lens= (int32, one length per sequence)")
+            for name, cache in (("k", k), ("v", v)):
+                kvcache.check_paged_cache(name, cache, spec.page_size)
+            kvcache.check_block_table(block_table, batch, q.device)
+            paged_kv = (k.shape[2], block_table.shape[1] * spec.page_size)
+        elif block_table is not None:
+            raise InputError(f"block_table given, but the spec {spec.name!r} has kv_layout = contiguous: a paged cache needs "
+                             f"`kv_layout = paged` (and page_size) in the spec")
+        dims, tensors = self._check_all(q, k, v, inputs, paged_kv=paged_kv)
+        for name, lens in (("kv_lens", kv_lens), ("q_lens", q_lens)):
+            if lens is not None:
+                kvcache.check_lengths(name, lens, batch, q.device)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
+            raise InputError("kv_lens, q_lens and paged caches are for inference: their decode kernels have no backward; call under "
+                             "torch.no_grad() (to train on sequences of different lengths, pack them: cu_seqlens_q/cu_seqlens_k)")
+        return dims, tensors
+
+    def _serving_dims(self, q, k, block_table) -> _Dims:
+        """The sizes of a checked decode call (a paged cache: its key/value heads, keys per sequence by the table)."""
+        if block_table is not None:
+            return _Dims(q.shape[0], q.shape[1], k.shape[2], q.shape[2], block_table.shape[1] * k.shape[1])
+        return _Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+
+    def _decode_impl(self, q, k, v, inputs, kv_lens, q_lens, block_table, dims: _Dims):
+        """O and the lse in log2 units by the decode kernels (attngen/decode.py); the tensors are checked."""
+        check_device(q.device, self.module)
+        if dims.batch == 0 or dims.q_len == 0 or dims.heads == 0:
+            return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+        if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
+            o, lse = self._twin()._decode_impl(*_up(q, k, v), _up(*inputs), kv_lens, q_lens, block_table, dims)
+            return o.to(torch.bfloat16), lse
+        shape = self._decode_shapes.get(dims)
+        if shape is None:
+            if len(self._decode_shapes) >= 256:
+                self._decode_shapes.clear()
+            shape = self._decode_shapes[dims] = decode_shape(self.plan, dims.batch, dims.heads, dims.kv_heads, dims.q_len, dims.kv_len)
+        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+            return self.module.attention_decode(q, k, v, *inputs, kv_lens=kv_lens, q_lens=q_lens, block_table=block_table,
+                                                block_r=shape.block_r, num_splits=shape.splits)
 
     def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, compiling: bool):
         """Packed sequences: q, k, v as (1, H, total rows, D) views, and (cu_q, cu_k, max_q, max_k), checked. The
@@ -406,6 +511,22 @@ def _longest_sequence(name: str, cu: torch.Tensor, total: int) -> int:
     return longest
 
 
+def _check_serving_values(kv_lens, q_lens, block_table, dims: _Dims, num_pages: int, page_size: int) -> None:
+    """The lengths and the block table's pages in range (attngen.kvcache.check_values, a host synchronization).
+    The layers of one decode step share these tensors: the result is remembered on the first of them for the
+    versions and shapes it saw, so an unchanged set is checked once (an in-place update checks it again)."""
+    first = next((t for t in (kv_lens, q_lens) if t is not None), None)
+    if first is None:
+        return
+    key = tuple((id(t), t._version) if t is not None else None for t in (kv_lens, q_lens, block_table)) + (dims.q_len, dims.kv_len, num_pages)
+    if first.__dict__.get("_attngen_checked") == key:
+        return
+    lens = kv_lens if kv_lens is not None else torch.full_like(q_lens, dims.kv_len)
+    kvcache.check_values(lens, dims.kv_len, block_table, num_pages, page_size, q_lens, dims.q_len)
+    if not kvcache._capturing(first.device):
+        first.__dict__["_attngen_checked"] = key
+
+
 def _check_varlen_features(spec: Spec, inputs: list[torch.Tensor], grad: bool) -> None:
     """What packed sequences do not support yet: an InputError before any kernel runs."""
     if spec.sparsity == "runtime":
@@ -517,6 +638,12 @@ class _Ops:
                      dropout_p: float, seed: Tensor | None, block_mask: Tensor | None, input_grads: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
             return kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, input_grads)
 
+        def decode(q: Tensor, k: Tensor, v: Tensor, inputs: list[Tensor], kv_lens: Tensor | None, q_lens: Tensor | None,
+                   block_table: Tensor | None) -> tuple[Tensor, Tensor]:
+            return kernel._decode_impl(q, k, v, inputs, kv_lens, q_lens, block_table, kernel._serving_dims(q, k, block_table))
+
+        self.decode = torch.library.custom_op(f"attngen::{self.name}_decode", decode, mutates_args=())
+        self.decode.register_fake(_fake_decode)
         self.forward = torch.library.custom_op(f"attngen::{self.name}_fwd", forward, mutates_args=())
         self.backward = torch.library.custom_op(f"attngen::{self.name}_bwd", backward, mutates_args=())
         self.forward.register_fake(_fake_forward)
@@ -543,6 +670,10 @@ def _setup_context(ctx, inputs, output) -> None:
 def _optional(saved, has_seed: bool, has_block_mask: bool) -> tuple:
     saved = iter(saved)
     return (next(saved) if has_seed else None), (next(saved) if has_block_mask else None)
+
+
+def _fake_decode(q, k, v, inputs, kv_lens, q_lens, block_table):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _fake_forward(q, k, v, inputs, dropout_p, seed, block_mask):

@@ -39,6 +39,14 @@ class Backend(enum.Enum):
     GLUON = "gluon"
 
 
+class KVLayout(enum.Enum):
+    """How the keys and values are laid out: one (B, Hkv, Nk, D) tensor each, or pages of a cache shared by every
+    sequence, (num_pages, page_size, Hkv, D), found through a block table (vLLM's layout; forward only)."""
+
+    CONTIGUOUS = "contiguous"
+    PAGED = "paged"
+
+
 class Type(enum.Enum):
     INT = "int"
     FLOAT = "float"
@@ -149,6 +157,8 @@ class Spec:
     # false: the backward may sum dQ across key tiles in an unfixed order (atomic additions; faster where
     # measured so), so its last bits may differ between runs. true: every gradient is bit-reproducible.
     deterministic: bool = True
+    kv_layout: KVLayout = KVLayout.CONTIGUOUS
+    page_size: int = 16  # tokens per page of a paged cache (kv_layout = paged)
     # Tiles and launch options of the forward kernel: an int fixes the value; None derives it from the target
     # (attngen/plan.py). A key in `tune` was written `auto`: measured per shape on the GPU (attngen/tune.py).
     block_m: int | None = None

@@ -22,6 +22,7 @@ import torch
 from .dtypes import TORCH_DTYPES
 from .expr import SCORE_VARS, Scope
 from .naive import evaluate, probabilities, reference, score_env
+from .spec import KVLayout
 
 # (batch, query heads, key/value heads, q_len, kv_len): a single token, an odd length, GQA with
 # q_len != kv_len, MQA with short queries and long keys, and tile-aligned lengths.
@@ -86,6 +87,8 @@ def _floor(ref: torch.Tensor, terms: float = 0.0) -> float:
 
 def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool = True) -> Result:
     spec = kernel.spec
+    if spec.kv_layout is KVLayout.PAGED:
+        return _check_paged(kernel, shape, device, seed)
     dtype = TORCH_DTYPES[spec.dtype.value]
     B, Hq, Hkv, Nq, Nk = shape
     D = spec.head_dim
@@ -136,6 +139,44 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
             res.nan |= bool(torch.isnan(g).any())
             err, naive_err, bound = _bound(g.cpu(), ng.cpu(), rg, 3, terms if name in ("dq", "dk", "dv") else read_terms[name[1:]])
             res.errors[name] = (err, naive_err, bound + via_delta.get(name, 0.0))
+    return res
+
+
+def _check_paged(kernel, shape: tuple, device: str, seed: int) -> Result:
+    """A paged spec (forward only): the keys of `shape` written into pages of a cache in a shuffled order (the
+    spare page and every slot no sequence owns hold NaN), per-sequence lengths from 0 to Nk (the last sequence
+    the whole Nk), O and the lse against the reference reading the same pages."""
+    from .kvcache import append
+
+    spec = kernel.spec
+    dtype = TORCH_DTYPES[spec.dtype.value]
+    B, Hq, Hkv, Nq, Nk = shape
+    D, P = spec.head_dim, spec.page_size
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=gen).to(device=device, dtype=dtype)
+    k, v = (torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    lens = torch.randint(0, Nk + 1, (B,), generator=gen, dtype=torch.int32)
+    lens[-1] = Nk
+    per_seq = -(-Nk // P)
+    table = torch.randperm(B * per_seq + 1, generator=gen)[:B * per_seq].view(B, per_seq).to(torch.int32).to(device)
+    k_cache = torch.full((B * per_seq + 1, P, Hkv, D), float("nan"), device=device, dtype=dtype)
+    v_cache = k_cache.clone()
+    lens = lens.to(device)
+    append(k_cache, v_cache, k, v, torch.zeros_like(lens), table)  # every sequence's Nk keys; those past its length stay unread
+    inputs = make_inputs(spec, B, Hq, Nq, Nk, device, gen)
+    serving = {"block_table": table, "kv_lens": lens}
+    with torch.no_grad():
+        out, lse = kernel(q, k_cache, v_cache, return_lse=True, **serving, **inputs)
+    ref, ref_lse = reference(spec, q.double(), k_cache.double(), v_cache.double(), return_lse=True, dtype=torch.float64, **serving, **inputs)
+    naive = reference(spec, q, k_cache, v_cache, dtype=dtype, **serving, **inputs)
+    res = Result(shape, spec.dtype.value)
+    res.nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+    res.errors["out"] = _bound(out.cpu(), naive.cpu(), ref.cpu(), 2)
+    ref_lse = ref_lse.cpu()
+    finite = torch.isfinite(ref_lse)
+    peak = ref_lse[finite].abs().max().item() if finite.any() else 0.0
+    same = torch.equal(torch.isfinite(lse.cpu()), finite)
+    res.errors["lse"] = (_err(lse.cpu()[finite], ref_lse[finite]) if same else float("inf"), 0.0, LSE_RTOL * max(1.0, peak))
     return res
 
 

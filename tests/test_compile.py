@@ -57,8 +57,27 @@ def test_every_shipped_spec_compiles_with_fullgraph_and_matches_the_reference(na
     dtype = TORCH_DTYPES[kern.spec.dtype.value]
     q, k, v = (torch.randn(B, h, n, kern.spec.head_dim, generator=gen).to(device=device, dtype=dtype) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
     inputs = verify.make_inputs(kern.spec, B, Hq, Nq, Nk, device, gen)
-    explained = torch._dynamo.explain(lambda q, k, v: kern(q, k, v, **inputs))(q, k, v)
+    if kern.spec.kv_layout.value == "paged":  # the keys in pages of a cache, read by the decode op (no gradient)
+        k, v, serving = _pages(kern, k, v)
+        inputs |= serving
+        with torch.no_grad():
+            explained = torch._dynamo.explain(lambda q, k, v: kern(q, k, v, **inputs))(q, k, v)
+    else:
+        explained = torch._dynamo.explain(lambda q, k, v: kern(q, k, v, **inputs))(q, k, v)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+
+
+def _pages(kern, k, v):
+    """k, v (B, Hkv, N, D) written into pages of a cache: (k_cache, v_cache, {"block_table", "kv_lens"})."""
+    from attngen.kvcache import append
+
+    B, Hkv, N, D = k.shape
+    P = kern.spec.page_size
+    per_seq = -(-N // P)
+    table = torch.arange(B * per_seq, dtype=torch.int32, device=k.device).view(B, per_seq).flip(0).contiguous()
+    k_cache, v_cache = (torch.zeros(B * per_seq, P, Hkv, D, dtype=k.dtype, device=k.device) for _ in range(2))
+    lens = append(k_cache, v_cache, k, v, torch.zeros(B, dtype=torch.int32, device=k.device), table)
+    return k_cache, v_cache, {"block_table": table, "kv_lens": lens}
 
 
 def test_one_graph_for_every_length(device, target):
@@ -112,8 +131,8 @@ def test_dropout_under_compile_draws_its_seed_as_eager_does(device, target):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in sorted(SPECS)])
 def test_opcheck_passes_for_every_shipped_spec(name, device, target):
-    """torch.library.opcheck on both ops: schema, autograd registration, fake tensors (the outputs' shapes), and
-    AOT dispatch with dynamic shapes."""
+    """torch.library.opcheck on the ops: schema, autograd registration (forward and backward), fake tensors (the
+    outputs' shapes), and AOT dispatch with dynamic shapes; the decode op (no autograd) where the spec decodes."""
     kern = _kernel(name, target)
     spec = kern.spec
     B, Hq, Hkv, Nq, Nk = verify.CPU_SHAPES[2]
@@ -127,8 +146,18 @@ def test_opcheck_passes_for_every_shipped_spec(name, device, target):
     for t in tensors:
         if t.is_floating_point():
             t.requires_grad_()
-    p, seed = kern._dropout_args(None, 5)
     ops = kern._ops()
+    if spec.sparsity != "runtime":  # the decode op: a cache with per-sequence lengths (a paged spec: in pages)
+        if spec.kv_layout.value == "paged":
+            k_cache, v_cache, serving = _pages(kern, k, v)
+            decode_args = (q, k_cache, v_cache, tensors, serving["kv_lens"], None, serving["block_table"])
+        else:
+            decode_args = (q, k, v, tensors, torch.full((B,), Nk - 3, dtype=torch.int32, device=device), None, None)
+        with torch.no_grad():
+            torch.library.opcheck(ops.decode, decode_args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    if spec.kv_layout.value == "paged":
+        return  # a paged cache has no training ops to check
+    p, seed = kern._dropout_args(None, 5)
     forward_args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), tensors, p, seed, block_mask)
     torch.library.opcheck(ops.forward, forward_args)
     o, lse = ops.forward(*forward_args)

@@ -32,6 +32,7 @@ SPECS = {p.stem: p for p in sorted((ROOT / "specs").glob("*.attn"))}
 NOT_TAKEN = {
     "block_sparse_runtime": "runtime block sparsity", "causal_fa1": "loop_order = kv_outer",
     "dilated": "head_dim 32", "document": "per-chunk bounds (the pre-pass)", "odd_head_dim": "dtype fp32",
+    "paged_decode": "kv_layout = paged",
 }
 TAKEN = sorted(set(SPECS) - set(NOT_TAKEN))
 

@@ -65,7 +65,7 @@ check(by_key, "gluon _attn_fwd")
 # 2. the Triton generator's kernels: what attention_forward and attention_backward pass them (positional
 # arguments, constexprs and launch options by keyword), caught by stand-ins, with the plan's tiles and others
 t = load(sys.argv[2], "triton_module")
-names = ("_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dq", "_attn_bwd_dkdv")
+names = ("_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dq", "_attn_bwd_dkdv", "_attn_decode", "_decode_combine")
 real = {name: getattr(t, name) for name in names}
 calls = []
 
@@ -85,6 +85,8 @@ for tiles, ((batch, heads, n), offset, row) in itertools.product((t.TILES, other
     q, k, v = (torch.zeros(batch, heads, n, d, dtype=torch.bfloat16) for _ in range(3))
     o, lse = t.attention_forward(q, k, v, bias(heads, row, offset), tiles=tiles)
     t.attention_backward(q, k, v, o, lse, torch.zeros_like(o), None if offset else torch.zeros_like(lse), bias(heads, row, offset), tiles=tiles)
+    for splits, lens in itertools.product((1, 3), (None, torch.full((batch,), n, dtype=torch.int32))):  # decoding
+        t.attention_decode(q, k, v, bias(heads, row, offset), kv_lens=lens, block_r=16, num_splits=splits, tiles=tiles)
 for name in names:
     by_key = {}
     for _, args, kwargs in (c for c in calls if c[0] == name):
@@ -96,7 +98,7 @@ for name in names:
 @pytest.mark.slow  # Triton's binder in a process of its own: about 10 s
 def test_equal_keys_mean_equal_specializations(tmp_path):
     """The key (each positional argument's `specialization`, the keyword arguments by value) never joins calls
-    Triton's binder specializes differently, for the Gluon forward and the Triton generator's four kernels; and
+    Triton's binder specializes differently, for the Gluon forward and the Triton generator's six kernels; and
     the calls above reach several keys, so the check is not vacuous."""
     gluon_path = tmp_path / "relative_bias_gluon.py"
     gluon_path.write_text(render(plan_gluon(plan(_spec("relative_bias"), "h100"))))
@@ -107,8 +109,9 @@ def test_equal_keys_mean_equal_specializations(tmp_path):
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     counts = dict(line.rsplit(" ", 1) for line in run.stdout.splitlines())
-    assert set(counts) == {"gluon _attn_fwd", "triton _attn_fwd", "triton _attn_bwd_delta", "triton _attn_bwd_dq", "triton _attn_bwd_dkdv"}
-    assert int(counts["gluon _attn_fwd"]) >= 8 and all(int(n) >= 4 for n in counts.values()), counts
+    assert set(counts) == {"gluon _attn_fwd", "triton _attn_fwd", "triton _attn_bwd_delta", "triton _attn_bwd_dq", "triton _attn_bwd_dkdv",
+                           "triton _attn_decode", "triton _decode_combine"}
+    assert int(counts["gluon _attn_fwd"]) >= 8 and all(int(n) >= (2 if name.endswith("combine") else 4) for name, n in counts.items()), counts
 
 
 class _Kernel:
@@ -172,3 +175,8 @@ def test_the_launcher_launches_a_kept_kernel_for_an_equal_key(monkeypatch):
     namespace["_k"] = type("Recorder", (), {"__getitem__": lambda self, grid: lambda *a, **k: recorded.append((grid, a, k))})()
     launcher((5,), x, 200, BLOCK=64)  # a stand-in put in the module (attngen.bundle's recorders) is what runs
     assert recorded == [((5,), (x, 200), {"num_warps": 4, "BLOCK": 64})] and len(jit.kernel.runs) == 2
+    namespace["_k"] = jit
+    calls = len(jit.calls)
+    launcher((5,), x, triton.language.constexpr(300), BLOCK=64)
+    launcher((5,), x, triton.language.constexpr(301), BLOCK=64)  # a constexpr object's value is compiled in: a key per value
+    assert len(jit.calls) == calls + 2

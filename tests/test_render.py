@@ -44,15 +44,22 @@ def test_header_carries_spec_hash_versions_and_glossary():
         assert word in header
 
 
+def _training(src: str) -> str:
+    """The forward and backward kernels: the source before the decode kernels, which always guard against rows
+    without a key (kv_lens may be 0)."""
+    assert "m_ij_safe" in src.split("def _attn_decode(")[1]
+    return src.split("def _attn_decode(")[0]
+
+
 def test_dead_branches_are_resolved_by_jinja():
-    plain = render(plan(load_spec("attention t { head_dim = 64 }"), "h100"))
+    plain = _training(render(plan(load_spec("attention t { head_dim = 64 }"), "h100")))
     assert "keep = kv_idx < kv_len" in plain
     assert "m_ij_safe" not in plain and "l_safe" not in plain  # no row can be empty without a mask
     assert "QK_SCALE_LOG2" in plain and "score =" not in plain.split("_attn_fwd(")[1].split("def attention_forward")[0]
     assert "offs_d[None, :] < HEAD_DIM" not in plain  # 64 needs no padding
     window = render(plan(load_spec("attention t { head_dim = 80 mask = q_idx >= kv_idx and q_idx - kv_idx < 64 }"), "h100"))
     assert "m_ij_safe" in window and "l_safe" in window and "offs_d[None, :] < HEAD_DIM" in window
-    causal = render(plan(load_spec("attention t { head_dim = 80 mask = q_idx >= kv_idx }"), "h100"))
+    causal = _training(render(plan(load_spec("attention t { head_dim = 80 mask = q_idx >= kv_idx }"), "h100")))
     assert "m_ij_safe" not in causal and "l_safe" not in causal  # every row keeps key 0
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ...intervals import TileClass, classify_tiles
 from ...plan import KernelPlan, Step
-from ...spec import DType, Expr, LoopOrder, Spec
+from ...spec import DType, Expr, KVLayout, LoopOrder, Spec
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
 HEAD_DIMS = (64, 128)  # the head dims its kernels are written for (wgmma's K step is 16; 256 needs a smaller ring)
@@ -95,6 +95,8 @@ def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
         why.append(f"head_dim {spec.head_dim}: its kernels take {' or '.join(map(str, HEAD_DIMS))}")
     if spec.sparsity == "runtime":
         why.append("runtime block sparsity: the block lists are not ported to Gluon yet")
+    if spec.kv_layout is KVLayout.PAGED:
+        why.append("kv_layout = paged: a paged cache is read by the decode kernels, which are the Triton generator's")
     if spec.loop_order is LoopOrder.KV_OUTER:
         why.append("loop_order = kv_outer is a schedule of the Triton generator")
     fixed = [k for k in ("block_m", "block_n", "num_warps", "num_stages") if getattr(spec, k) is not None or k in spec.tune]

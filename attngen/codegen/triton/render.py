@@ -11,7 +11,7 @@ from ... import expr as ex
 from ...canonical import format_spec
 from ...intervals import lower_tile_class
 from ...plan import KernelPlan
-from ...spec import DType, LoopOrder
+from ...spec import DType, KVLayout, LoopOrder
 from .. import Templates, versions
 from ..lowering import lower_for_kernel
 
@@ -33,6 +33,7 @@ def context(plan: KernelPlan) -> dict:
     fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"} if q_outer else {"q_idx", "score"}), False, helpers)
     dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers)
     dq = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers, want_read_grads=True)
+    decode = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers)  # h and q_idx: one per row, set once
     tile_class = None
     if plan.mask is not None and plan.classify:
         scope = ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name)
@@ -66,6 +67,12 @@ def context(plan: KernelPlan) -> dict:
         "dkdv": dkdv,
         "dq": dq,
         "tile_class": tile_class,
+        "decode_code": decode,
+        "has_decode": spec.sparsity != "runtime",  # runtime block masks are not read by the decode kernels
+        "paged": spec.kv_layout is KVLayout.PAGED,
+        "page_size": spec.page_size,
+        # whether the tile classes may differ between query heads: then a decode program takes the union over its heads
+        "mask_uses_h": plan.mask is not None and "h" in ex.variables(plan.mask),
         # the input pre-pass summarizes chunks of the smallest tile size; the largest tile spans tile_span chunks
         "tile_chunk": plan.tile_limits[0],
         "tile_span": plan.tile_limits[1] // plan.tile_limits[0],

@@ -1,0 +1,144 @@
+"""Key/value caches for serving: writing new tokens at each sequence's position, and reading a paged cache back.
+
+A paged cache (a spec with `kv_layout = paged`) is vLLM's and flash_attn_with_kvcache's layout: `k_cache`,
+`v_cache` of shape (num_pages, page_size, Hkv, D), shared by every sequence, and a block table (B, max_pages,
+int32) whose row b lists sequence b's pages in order: its key j is slot j % page_size of page
+block_table[b, j // page_size]. Pages may appear in any order and be shared between sequences (a common prefix).
+A contiguous cache is (B, Hkv, capacity, D), attngen's usual layout, with per-sequence lengths.
+
+Nothing here synchronizes the host with the GPU while a CUDA graph is being captured, and nothing allocates by
+value, so a decode step (append, then attend) can be captured and replayed.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import InputError
+
+__all__ = ["append", "gather"]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_lengths(name: str, lens, batch: int, device: torch.device) -> None:
+    """`lens` is an int32 (B,) tensor on `device` (values are checked where they are used)."""
+    if not isinstance(lens, torch.Tensor) or lens.dtype != torch.int32 or lens.dim() != 1:
+        what = f"{lens.dtype} of shape {tuple(lens.shape)}" if isinstance(lens, torch.Tensor) else type(lens).__name__
+        raise InputError(f"{name} must be a 1-D int32 tensor of one length per sequence, got {what}")
+    if lens.shape[0] != batch:
+        raise InputError(f"{name} has {lens.shape[0]} entries; the batch has {batch} sequences")
+    if lens.device != device:
+        raise InputError(f"{name} is on {lens.device}, q on {device}")
+
+
+def check_block_table(block_table, batch: int, device: torch.device) -> None:
+    """`block_table` is an int32 (B, max_pages) tensor on `device` with a unit stride along its pages."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        what = f"{block_table.dtype} of shape {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+        raise InputError(f"block_table must be a 2-D int32 tensor (sequences, pages per sequence), got {what}")
+    if block_table.shape[0] != batch:
+        raise InputError(f"block_table has {block_table.shape[0]} rows; the batch has {batch} sequences")
+    if block_table.device != device:
+        raise InputError(f"block_table is on {block_table.device}, q on {device}")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise InputError("block_table's pages must be contiguous along each row (stride 1); pass block_table.contiguous()")
+
+
+def check_paged_cache(name: str, cache, page_size: int | None, like: torch.Tensor | None = None) -> None:
+    """`cache` is a (num_pages, page_size, Hkv, D) tensor (of `like`'s dtype and device where given)."""
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+        what = f"shape {tuple(cache.shape)}" if isinstance(cache, torch.Tensor) else type(cache).__name__
+        raise InputError(f"{name} must be a paged cache of shape (num_pages, page_size, kv_heads, head_dim), got {what}")
+    if page_size is not None and cache.shape[1] != page_size:
+        raise InputError(f"{name} has pages of {cache.shape[1]} tokens (dimension 1); the spec says page_size = {page_size}")
+    if cache.shape[0] == 0:
+        raise InputError(f"{name} has no page")
+    if like is not None and (cache.dtype != like.dtype or cache.device != like.device):
+        raise InputError(f"{name} is {cache.dtype} on {cache.device}; expected {like.dtype} on {like.device}")
+
+
+def check_values(kv_lens: torch.Tensor, capacity: int, block_table: torch.Tensor | None = None, num_pages: int = 0,
+                 page_size: int = 0, q_lens: torch.Tensor | None = None, q_capacity: int = 0, extra: int = 0) -> None:
+    """The values: 0 <= kv_lens[b] (+ extra) <= capacity, 0 <= q_lens[b] <= q_capacity, and every page that a
+    sequence's first kv_lens[b] (+ extra) keys use is in [0, num_pages). A host synchronization: skipped while a
+    CUDA graph is captured (the kernels clamp lengths and page indices, so a bad value cannot read outside a tensor)."""
+    if _capturing(kv_lens.device):
+        return
+    lens = kv_lens.to(torch.int64) + extra
+    if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > capacity):
+        bad = int(torch.nonzero((lens < 0) | (lens > capacity))[0, 0])
+        what = "kv_lens + the new tokens" if extra else "kv_lens"
+        raise InputError(f"{what} of sequence {bad} is {int(lens[bad])}; the cache holds 0..{capacity} keys per sequence")
+    if q_lens is not None and q_lens.numel() and (int(q_lens.min()) < 0 or int(q_lens.max()) > q_capacity):
+        bad = int(torch.nonzero((q_lens < 0) | (q_lens > q_capacity))[0, 0])
+        raise InputError(f"q_lens of sequence {bad} is {int(q_lens[bad])}; q holds 0..{q_capacity} queries per sequence")
+    if block_table is not None and block_table.numel():
+        pages_used = (lens + page_size - 1) // page_size  # (B,)
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used[:, None]
+        bad = used & ((block_table < 0) | (block_table >= num_pages))
+        if bool(bad.any()):
+            b, j = (int(x) for x in torch.nonzero(bad)[0])
+            raise InputError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the cache (0..{num_pages - 1}); "
+                             f"sequence {b} uses its first {int(pages_used[b])} entries")
+
+
+def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_lens: torch.Tensor,
+           block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes T new keys and values per sequence, k_new and v_new of shape (B, Hkv, T, D) (attngen's layout),
+    into the cache at each sequence's positions kv_lens[b] .. kv_lens[b] + T - 1, and returns the new lengths
+    (kv_lens + T, a new tensor; kv_lens is not changed).
+
+    Paged (block_table given): k_cache, v_cache are (num_pages, page_size, Hkv, D); the pages those positions
+    fall in must already be in the sequence's row of the block table. Contiguous: (B, Hkv, capacity, D).
+    The lengths and pages are checked against the cache first (a host synchronization), except while a CUDA
+    graph is captured."""
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise InputError(f"{name} must be a 4-D tensor (batch, kv_heads, new tokens, head_dim)")
+    if k_new.shape != v_new.shape:
+        raise InputError(f"k_new and v_new must have the same shape, got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+    batch, heads, tokens, dim = k_new.shape
+    check_lengths("kv_lens", kv_lens, batch, k_new.device)
+    if block_table is None:
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[0] != batch or cache.shape[1] != heads or cache.shape[3] != dim:
+                what = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+                raise InputError(f"{name} must be a contiguous cache (batch {batch}, kv_heads {heads}, capacity, head_dim {dim}), got {what}")
+            if cache.dtype != k_new.dtype or cache.device != k_new.device:
+                raise InputError(f"{name} is {cache.dtype} on {cache.device}; k_new is {k_new.dtype} on {k_new.device}")
+        capacity = k_cache.shape[2]
+        check_values(kv_lens, capacity, extra=tokens)
+        pos = kv_lens.to(torch.int64)[:, None] + torch.arange(tokens, device=kv_lens.device)  # (B, T)
+        index = pos[:, None, :, None].expand(batch, heads, tokens, dim)
+        k_cache.scatter_(2, index, k_new)
+        v_cache.scatter_(2, index, v_new)
+        return kv_lens + tokens
+    check_block_table(block_table, batch, k_new.device)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_paged_cache(name, cache, None, k_new)
+        if cache.shape[2] != heads or cache.shape[3] != dim:
+            raise InputError(f"{name} has {cache.shape[2]} kv_heads of head_dim {cache.shape[3]}; k_new has {heads} of {dim}")
+    if v_cache.shape != k_cache.shape:
+        raise InputError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    page_size = k_cache.shape[1]
+    check_values(kv_lens, block_table.shape[1] * page_size, block_table, k_cache.shape[0], page_size, extra=tokens)
+    pos = kv_lens.to(torch.int64)[:, None] + torch.arange(tokens, device=kv_lens.device)  # (B, T)
+    pages = block_table.to(torch.int64).gather(1, pos // page_size)  # (B, T)
+    slots = pos % page_size
+    k_cache[pages, slots] = k_new.transpose(1, 2)  # (B, T, Hkv, D) into (pages, slots) of (num_pages, page_size, Hkv, D)
+    v_cache[pages, slots] = v_new.transpose(1, 2)
+    return kv_lens + tokens
+
+
+def gather(cache: torch.Tensor, block_table: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """A paged cache's keys (or values) of every sequence as one contiguous (B, Hkv, length, D) tensor: key j of
+    sequence b from page block_table[b, j // page_size] (default length: every page of the table's rows). An
+    entry that is not a page of the cache (one past what a sequence uses may hold anything) reads page 0 or the
+    last page."""
+    page_size = cache.shape[1]
+    length = block_table.shape[1] * page_size if length is None else length
+    pos = torch.arange(length, device=cache.device)
+    pages = block_table.to(torch.int64)[:, pos // page_size].clamp(0, cache.shape[0] - 1)  # (B, length)
+    return cache[pages, (pos % page_size)[None, :]].permute(0, 2, 1, 3)  # (B, length, Hkv, D) -> (B, Hkv, length, D)
