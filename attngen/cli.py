@@ -45,7 +45,15 @@ def cmd_plan(args) -> int:
         print(f"\ngenerator: {choice.describe()}")
         if choice.gluon is not None:
             print(choice.gluon.describe())
-        if args.seq:
+        if args.seq and spec.sparsity != "runtime":
+            from .decode import decode_shape
+
+            kv_len = args.kv_seq or args.seq
+            print(f"\ndecode over {kv_len} keys a sequence ({p.target.name}, {p.target.sm_count} SMs; rows: the query heads of a "
+                  f"key/value head x the new tokens):")
+            for batch, heads, kv_heads, q_len in ((1, 32, 8, 1), (8, 32, 8, 1), (64, 32, 8, 1), (8, 32, 8, 16)):
+                print(f"  B={batch} Hq={heads} Hkv={kv_heads} Nq={q_len}: {decode_shape(p, batch, heads, kv_heads, q_len, kv_len).describe()}")
+        if args.seq and spec.kv_layout.value == "contiguous":
             q_len, kv_len = args.seq, args.kv_seq or args.seq
             classes = classify_tiles(p.mask, q_len, kv_len, p.block_m, p.block_n)
             counts = tile_counts(classes)
@@ -122,15 +130,29 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+TRAIN_SEQS = [1024, 4096, 16384]  # attngen bench / tune: sequence lengths
+DECODE_SEQS = [4096, 8192, 32768, 131072]  # attngen bench --decode: keys per sequence
+
+
 def cmd_gpu(args) -> int:
     """attngen bench / attngen tune: exit 1 with the reason when they cannot run (no GPU, a bad --head-dim)."""
     from . import bench
 
     try:
-        if args.command == "bench":
-            bench.run(args.spec, args.seq, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim, tune=args.tune, plot_path=args.plot)
+        if args.command == "bench" and args.decode:
+            from . import bench_decode
+
+            bench_decode.run(args.spec, args.seq or DECODE_SEQS, args.batch, args.queries, heads=args.heads, kv_heads=args.kv_heads,
+                             head_dim=(args.head_dim or [128])[0], json_path=args.json, plot_path=args.plot)
+        elif not args.spec:
+            print(f"attngen {args.command}: name at least one .attn file{' (or --decode: a decoding benchmark)' if args.command == 'bench' else ''}",
+                  file=sys.stderr)
+            return 2
+        elif args.command == "bench":
+            bench.run(args.spec, args.seq or TRAIN_SEQS, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim, tune=args.tune,
+                      plot_path=args.plot)
         else:
-            bench.tune_report(args.spec, args.seq, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim)
+            bench.tune_report(args.spec, args.seq or TRAIN_SEQS, json_path=args.json, dtype=args.dtype, head_dims=args.head_dim)
     except RuntimeError as err:
         print(f"attngen {args.command}: {err}", file=sys.stderr)
         return 1
@@ -214,14 +236,23 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("bench", "time the kernels against FlexAttention and torch SDPA on this GPU"),
                             ("tune", "tune the tiles of specs on this GPU (every key auto), fill the tuning cache, print derived vs tuned")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("spec", nargs="+")
-        p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths (B = 16384 // N tokens per batch)")
+        p.add_argument("spec", nargs="*")
+        p.add_argument("--seq", type=int, nargs="+", default=None, help=f"sequence lengths (B = 16384 // N tokens per batch; default "
+                                                                      f"{' '.join(map(str, TRAIN_SEQS))}); with --decode: keys per sequence "
+                                                                      f"(default {' '.join(map(str, DECODE_SEQS))})")
         p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None, help="override the spec's dtype")
         p.add_argument("--head-dim", type=int, nargs="+", default=None, help="run each spec at these head dims instead of its own (e.g. 64 128)")
         p.add_argument("--json", default=None, help="also write the results to this file")
         if name == "bench":
             p.add_argument("--tune", action="store_true", help="tune attngen's tiles (every key auto) and time the derived tiles beside them")
             p.add_argument("--plot", default=None, metavar="OUT.png", help="also draw the table as bar charts (needs matplotlib)")
+            p.add_argument("--decode", action="store_true", help="decoding instead: a few queries per sequence against a key/value cache, "
+                                                                 "contiguous and paged, GB/s against the copy rate and FlexAttention (default spec: "
+                                                                 "causal over each sequence's cache)")
+            p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="--decode: sequences per call (default 1 8 64)")
+            p.add_argument("--queries", type=int, nargs="+", default=[1], help="--decode: new tokens per sequence (default 1; 16: speculative)")
+            p.add_argument("--heads", type=int, default=32, help="--decode: query heads (default 32)")
+            p.add_argument("--kv-heads", type=int, default=8, help="--decode: key/value heads (default 8)")
         p.set_defaults(func=cmd_gpu)
 
     p = sub.add_parser("plot", help="draw a saved `attngen bench --json` file as bar charts (needs matplotlib)")
