@@ -405,14 +405,18 @@ def run(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: 
             rows.append(row)
             progress("\n".join(format_table([row]).splitlines()[2:]))  # this row now: a run cut off keeps it
     results = {"versions": versions(), "matmul_tflops": matmul_tflops(), "rows": rows}
-    progress(f"\n{results['versions']}")
-    progress(format_table(rows, results["matmul_tflops"]))
+    report(results, f"\n{results['versions']}\n{format_table(rows, results['matmul_tflops'])}", json_path, plot, plot_path, progress)
+    return rows
+
+
+def report(results: dict, table: str, json_path: str | None, plot_fn, plot_path: str | None, progress) -> None:
+    """A benchmark's end: the table, the results as JSON (atomically) and the plot, where asked for."""
+    progress(table)
     if json_path:
         write_atomic(Path(json_path), json.dumps(results, indent=1))
     if plot_path:
-        plot(results, plot_path)
+        plot_fn(results, plot_path)
         progress(f"plot: {plot_path}")
-    return rows
 
 
 def tune_report(paths: list[str], seqs: list[int], json_path: str | None = None, dtype: str | None = None,

@@ -17,13 +17,12 @@ rates use), and of the eager call ("eager": with the host's time per call, which
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from .bench import _matplotlib, flex, flex_mods, median_ms, versions
+from .bench import _matplotlib, flex, flex_mods, median_ms, report, versions
 from .cache import write_atomic
 from .spec import KVLayout, Spec
 
@@ -200,11 +199,6 @@ def run(paths: list[str], seqs: list[int], batches: list[int], queries: list[int
                     progress(format_table(rows[-1:]).splitlines()[-1])
                     torch.cuda.empty_cache()
     results = {"versions": versions(), "copy_gbs": copy_gbs, "rows": rows}
-    progress(f"\n{results['versions']}; copy rate {copy_gbs:.0f} GB/s; K/V bytes over time; bf16, Hq={heads}, Hkv={kv_heads}")
-    progress(format_table(rows))
-    if json_path:
-        write_atomic(Path(json_path), json.dumps(results, indent=1))
-    if plot_path:
-        plot(results, plot_path)
-        progress(f"plot: {plot_path}")
+    report(results, f"\n{results['versions']}; copy rate {copy_gbs:.0f} GB/s; K/V bytes over time; bf16, Hq={heads}, Hkv={kv_heads}\n"
+           f"{format_table(rows)}", json_path, plot, plot_path, progress)
     return rows

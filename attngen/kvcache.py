@@ -22,26 +22,25 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _check_int32(name: str, t, dim: int, what: str, batch: int, rows: str, device: torch.device) -> None:
+    """`t` is a dim-D int32 tensor on `device` with `batch` entries along its first dimension."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != dim:
+        got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InputError(f"{name} must be a {dim}-D int32 tensor {what}, got {got}")
+    if t.shape[0] != batch:
+        raise InputError(f"{name} has {t.shape[0]} {rows}; the batch has {batch} sequences")
+    if t.device != device:
+        raise InputError(f"{name} is on {t.device}, q on {device}")
+
+
 def check_lengths(name: str, lens, batch: int, device: torch.device) -> None:
     """`lens` is an int32 (B,) tensor on `device` (values are checked where they are used)."""
-    if not isinstance(lens, torch.Tensor) or lens.dtype != torch.int32 or lens.dim() != 1:
-        what = f"{lens.dtype} of shape {tuple(lens.shape)}" if isinstance(lens, torch.Tensor) else type(lens).__name__
-        raise InputError(f"{name} must be a 1-D int32 tensor of one length per sequence, got {what}")
-    if lens.shape[0] != batch:
-        raise InputError(f"{name} has {lens.shape[0]} entries; the batch has {batch} sequences")
-    if lens.device != device:
-        raise InputError(f"{name} is on {lens.device}, q on {device}")
+    _check_int32(name, lens, 1, "of one length per sequence", batch, "entries", device)
 
 
 def check_block_table(block_table, batch: int, device: torch.device) -> None:
     """`block_table` is an int32 (B, max_pages) tensor on `device` with a unit stride along its pages."""
-    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
-        what = f"{block_table.dtype} of shape {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) else type(block_table).__name__
-        raise InputError(f"block_table must be a 2-D int32 tensor (sequences, pages per sequence), got {what}")
-    if block_table.shape[0] != batch:
-        raise InputError(f"block_table has {block_table.shape[0]} rows; the batch has {batch} sequences")
-    if block_table.device != device:
-        raise InputError(f"block_table is on {block_table.device}, q on {device}")
+    _check_int32("block_table", block_table, 2, "(sequences, pages per sequence)", batch, "rows", device)
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         raise InputError("block_table's pages must be contiguous along each row (stride 1); pass block_table.contiguous()")
 
