@@ -24,6 +24,7 @@ import torch
 
 from .bench import _matplotlib, flex, flex_mods, median_ms, report, versions
 from .cache import write_atomic
+from .kvcache import append
 from .spec import KVLayout, Spec
 
 CHECK_TOLERANCE = 2e-2  # max |out - reference| of a bf16 output accepted before timing
@@ -53,17 +54,17 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _paged(k: torch.Tensor, page_size: int, gen: torch.Generator):
-    """k (B, Hkv, N, D) as pages of a cache in a shuffled order: (cache (pages, page_size, Hkv, D), table), written
-    one sequence at a time (temporaries of one sequence's size)."""
+def _paged(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generator):
+    """k, v (B, Hkv, N, D) as pages of caches in a shuffled order: (k_cache, v_cache, table), written by
+    kvcache.append one sequence at a time (temporaries of one sequence's size)."""
     B, hkv, n, d = k.shape
     per_seq = -(-n // page_size)
-    table = torch.randperm(B * per_seq, generator=gen, device="cpu").view(B, per_seq).to("cuda")
-    cache = torch.empty(B * per_seq, page_size, hkv, d, device="cuda", dtype=k.dtype)
+    table = torch.randperm(B * per_seq, generator=gen, device="cpu").view(B, per_seq).to(device="cuda", dtype=torch.int32)
+    k_cache, v_cache = (torch.empty(B * per_seq, page_size, hkv, d, device="cuda", dtype=k.dtype) for _ in range(2))
+    start = torch.zeros(1, dtype=torch.int32, device="cuda")
     for b in range(B):
-        rows = torch.nn.functional.pad(k[b], (0, 0, 0, per_seq * page_size - n))  # (Hkv, pages * page_size, D)
-        cache[table[b]] = rows.view(hkv, per_seq, page_size, d).permute(1, 2, 0, 3)
-    return cache, table.to(torch.int32)
+        append(k_cache, v_cache, k[b:b + 1], v[b:b + 1], start, table[b:b + 1])
+    return k_cache, v_cache, table
 
 
 def decode_row(kernels: dict, spec: Spec, batch: int, keys: int, queries: int, heads: int, kv_heads: int, copy_gbs: float,
@@ -97,9 +98,7 @@ def decode_row(kernels: dict, spec: Spec, batch: int, keys: int, queries: int, h
         if kern.spec.kv_layout is KVLayout.PAGED and 1.1 * nbytes > torch.cuda.mem_get_info()[0]:
             row[name] = {"error": f"skipped: a paged copy of the {nbytes / 2**30:.1f} GiB of K and V does not fit beside them"}
         elif kern.spec.kv_layout is KVLayout.PAGED:  # K and V through the same shuffled table
-            k_cache, table = _paged(k, kern.spec.page_size, torch.Generator().manual_seed(1))
-            v_cache, v_table = _paged(v, kern.spec.page_size, torch.Generator().manual_seed(1))
-            assert torch.equal(v_table, table)
+            k_cache, v_cache, table = _paged(k, v, kern.spec.page_size, torch.Generator().manual_seed(1))
             timed(name, lambda kern=kern, kc=k_cache, vc=v_cache, t=table: kern(q, kc, vc, block_table=t, kv_lens=lens))
             del k_cache, v_cache
         else:

@@ -100,6 +100,7 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
         raise InputError(f"k_new and v_new must have the same shape, got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
     batch, heads, tokens, dim = k_new.shape
     check_lengths("kv_lens", kv_lens, batch, k_new.device)
+    pos = kv_lens.to(torch.int64)[:, None] + torch.arange(tokens, device=kv_lens.device)  # (B, T): where the new tokens go
     if block_table is None:
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[0] != batch or cache.shape[1] != heads or cache.shape[3] != dim:
@@ -109,11 +110,17 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
                 raise InputError(f"{name} is {cache.dtype} on {cache.device}; k_new is {k_new.dtype} on {k_new.device}")
         capacity = k_cache.shape[2]
         check_values(kv_lens, capacity, extra=tokens)
-        pos = kv_lens.to(torch.int64)[:, None] + torch.arange(tokens, device=kv_lens.device)  # (B, T)
         index = pos[:, None, :, None].expand(batch, heads, tokens, dim)
         k_cache.scatter_(2, index, k_new)
         v_cache.scatter_(2, index, v_new)
-        return kv_lens + tokens
+    else:
+        _append_paged(k_cache, v_cache, k_new, v_new, kv_lens, block_table, pos)
+    return kv_lens + tokens
+
+
+def _append_paged(k_cache, v_cache, k_new, v_new, kv_lens, block_table, pos) -> None:
+    """append's paged case: the caches and table checked, the new tokens written at `pos` through the table."""
+    batch, heads, tokens, dim = k_new.shape
     check_block_table(block_table, batch, k_new.device)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_paged_cache(name, cache, None, k_new)
@@ -123,12 +130,10 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
         raise InputError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     page_size = k_cache.shape[1]
     check_values(kv_lens, block_table.shape[1] * page_size, block_table, k_cache.shape[0], page_size, extra=tokens)
-    pos = kv_lens.to(torch.int64)[:, None] + torch.arange(tokens, device=kv_lens.device)  # (B, T)
     pages = block_table.to(torch.int64).gather(1, pos // page_size)  # (B, T)
     slots = pos % page_size
     k_cache[pages, slots] = k_new.transpose(1, 2)  # (B, T, Hkv, D) into (pages, slots) of (num_pages, page_size, Hkv, D)
     v_cache[pages, slots] = v_new.transpose(1, 2)
-    return kv_lens + tokens
 
 
 def gather(cache: torch.Tensor, block_table: torch.Tensor, length: int | None = None) -> torch.Tensor:

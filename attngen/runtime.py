@@ -221,12 +221,14 @@ class Kernel:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(t.requires_grad for t in tensors))
         if varlen is not None:
             _check_varlen_features(self.spec, tensors, grad)
-        if compiling and not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len):
+        # few queries, nothing to differentiate: the decode kernels (attngen/decode.py)
+        decodes = not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len)
+        if compiling and decodes:
             o, lse2 = self._ops().decode(q, k, v, tensors, None, None, None)
         elif compiling:
             o, lse2 = self._ops().forward(q, k, v, tensors, p, seed_t, block_mask)
-        elif not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len):
-            o, lse2 = self._decode_impl(q, k, v, tensors, None, None, None, dims)  # few queries, nothing to differentiate
+        elif decodes:
+            o, lse2 = self._decode_impl(q, k, v, tensors, None, None, None, dims)
         elif not grad:
             o, lse2 = self._forward_impl(q, k, v, tensors, p, seed_t, block_mask, varlen)  # nothing to differentiate: no autograd node
         else:
