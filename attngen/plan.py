@@ -109,6 +109,10 @@ class KernelPlan:
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
+    # context parallelism (attngen/distributed): the forward and backward kernels take the position of their first
+    # query and key in the whole sequence (q_offset, kv_offset) and its lengths (seq_q_len, seq_kv_len), which the
+    # expressions see; a shard's kernels (Kernel._shard_kernel), never a plain call's
+    global_positions: bool = False
 
     @property
     def dtype(self) -> DType:
@@ -152,6 +156,8 @@ class KernelPlan:
         full tile or the tile of key 0 first) and no score modification can turn a score into -inf."""
         if self.score is not None or self.spec.sparsity == "runtime":
             return True  # a score modification may produce -inf (e.g. a bias input holding -inf); a block mask may drop key 0
+        if self.global_positions and self.mask is not None:
+            return True  # a shard's keys may all lie outside a row's window (key 0 of the sequence is in one shard)
         return self.mask is not None and not keeps_first_key(self.mask)
 
     def describe(self) -> str:

@@ -22,6 +22,7 @@ from .dtypes import TORCH_DTYPES
 from .codegen.gluon import Choice
 from .codegen.gluon import build_source as build_gluon_source
 from .codegen.gluon import choose as choose_generator
+from .codegen.gluon import plan_gluon
 from .codegen.triton import build_source
 from .errors import InputError, PlanError
 from .expr import SCORE_VARS, Scope, input_reads
@@ -68,6 +69,7 @@ class Kernel:
         self._decode_shapes: dict[_Dims, object] = {}  # decode.decode_shape of each call's sizes
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
         self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _twin
+        self._shard_twin: Kernel | None = None  # the kernels of a context-parallel shard: see _shard_kernel
         # The torch.library ops of compiled calls (about 2 ms to register; torch.compile cannot trace a registration)
         self._custom_ops = _Ops(self)
         # The generators of the passes (attngen/codegen/gluon/choice.py): with Gluon, `gluon` is its module, which
@@ -431,6 +433,53 @@ class Kernel:
             self._cpu_twin = _float32_twin(self)
         return self._cpu_twin
 
+    def _shard_kernel(self) -> Kernel:
+        """This spec's kernels for one shard of a context-parallel attention (attngen/distributed): the Triton
+        generator's forward and backward with global positions (KernelPlan.global_positions), q_outer. Built on
+        first use (just in time, also for a kernel loaded from a bundle)."""
+        if self._shard_twin is None:
+            self._shard_twin = _positions_twin(self)
+        return self._shard_twin
+
+    def _shard_forward(self, q, k, v, inputs, dropout_p: float, seed: int | None, positions: tuple[int, int, int, int]):
+        """O (float32; q's element type from the Gluon forward) and the lse (log2 units) of q's rows attending to k's and v's keys only, where q's first row
+        and k's first key are at positions[0] and positions[1] of a sequence of positions[2] queries and
+        positions[3] keys, which the expressions see (attngen/distributed merges these partial results). The
+        tensors are checked by the caller."""
+        kern = self._shard_kernel()
+        check_device(q.device, kern.module)
+        extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
+        if kern.generator.generator == "gluon" and _is_sm90(q.device):  # O in q's element type (TMA stores through Q's tile)
+            return kern.gluon.attention_forward(q, k, v, *inputs, **extra, positions=positions)
+        if q.device.type == "cpu" and kern.spec.dtype is DType.BF16:
+            kern, (q, k, v), inputs = kern._twin(), _up(q, k, v), _up(*inputs)
+        dims = _dims_of(q, k)
+        flags = ("dropout",) if dropout_p else ()
+        run = lambda t: kern.module.attention_forward(q, k, v, *inputs, **extra, positions=positions, out_dtype=torch.float32, tiles=t)
+        extra |= kern._tiles("fwd", dims, flags, q.device, run)
+        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+            return kern.module.attention_forward(q, k, v, *inputs, **extra, positions=positions, out_dtype=torch.float32)
+
+    def _shard_backward(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: int | None, positions: tuple[int, int, int, int]):
+        """(dQ, dK, dV) in float32 (dK, dV in k's element type from the Gluon backward) of one shard pair (as _shard_forward's): the contributions of q's rows and k's
+        keys to the whole attention's gradients, from its O and lse (log2 units) and dO, dlse (or None)."""
+        kern = self._shard_kernel()
+        lse = lse.contiguous()  # the kernels index the lse (and dlse) as (B, H, rows) rows
+        dlse = None if dlse is None else dlse.contiguous()
+        extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
+        if kern.generator.backward_for(k.shape[2]) == "gluon" and _is_sm90(q.device):  # dK, dV in k's and v's element type
+            return kern.gluon.attention_backward(q, k, v, o.contiguous(), lse, do.contiguous(), dlse, *inputs, **extra, positions=positions,
+                                                 grad_dtype=torch.float32)
+        if q.device.type == "cpu" and kern.spec.dtype is DType.BF16:
+            kern, (q, k, v, o, do), inputs = kern._twin(), _up(q, k, v, o, do), _up(*inputs)
+        dims = _dims_of(q, k)
+        flags = ("dropout",) if dropout_p else ()
+        backward = kern.module.attention_backward
+        run = lambda t: backward(q, k, v, o, lse, do, dlse, *inputs, **extra, positions=positions, grad_dtype=torch.float32, tiles=t)
+        extra |= kern._tiles("bwd", dims, flags, q.device, run)
+        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+            return backward(q, k, v, o, lse, do, dlse, *inputs, **extra, positions=positions, grad_dtype=torch.float32)
+
     def _ops(self) -> _Ops:
         """This kernel's custom ops: what a call under torch.compile records (see _Ops)."""
         return self._custom_ops
@@ -555,9 +604,30 @@ def _float32_twin(kernel: Kernel) -> Kernel:
     except PlanError:
         twin = dataclasses.replace(twin, block_m=None, block_n=None, num_warps=None, num_stages=None, tune=frozenset())
         twin_plan = make_plan(twin, kernel.plan.target, classify=kernel.plan.classify)
+    twin_plan = dataclasses.replace(twin_plan, global_positions=kernel.plan.global_positions)
     key, source = build_source(twin_plan)
     module = load_module(twin.name, key, source)
     return Kernel(twin, twin_plan, source, Path(module.__file__), module)
+
+
+def _positions_twin(kernel: Kernel) -> Kernel:
+    """The same spec's kernels with global positions (KernelPlan.global_positions), for context-parallel shards:
+    the Triton generator's, and the Gluon generator's where the kernel's choice of generators took it (the same
+    choice for each pass). loop_order = kv_outer is planned q_outer (its forward has no positions; results
+    differ by rounding)."""
+    spec = kernel.spec
+    if spec.loop_order is not LoopOrder.Q_OUTER:
+        spec = dataclasses.replace(spec, loop_order=LoopOrder.Q_OUTER)
+    twin_plan = dataclasses.replace(make_plan(spec, kernel.plan.target, classify=kernel.plan.classify), global_positions=True)
+    key, source = build_source(twin_plan)
+    module = load_module(spec.name, key, source)
+    twin = Kernel(spec, twin_plan, source, Path(module.__file__), module)
+    if kernel.generator.gluon is not None:
+        gp = plan_gluon(twin_plan)
+        twin.generator = dataclasses.replace(kernel.generator, gluon=gp)
+        key, twin.gluon_source = build_gluon_source(gp)
+        twin.gluon = load_module(f"{spec.name}_gluon", key, twin.gluon_source)
+    return twin
 
 
 def _direct_indices(spec: Spec) -> list[tuple[str, int, str]]:

@@ -251,6 +251,27 @@ def test_every_taken_spec_compiles_for_sm90(tmp_path):
                    for r in bwd), (name, det, bwd)
 
 
+@pytest.mark.slow  # triton.compile for sm_90 in subprocesses: about 40 s on 2 cores
+@pytest.mark.parametrize("name", ["causal_dropout", "alibi"])
+def test_a_shards_kernels_compile_for_sm90(name, tmp_path):
+    """The kernels of a context-parallel shard (KernelPlan.global_positions: attngen.distributed) compile for sm_90
+    with their schedule intact: a mask with dropout, and a score reading an input (ALiBi). Their numerics: on
+    the GPU, benchmarks/context_parallel.py (BENCHMARKS.md)."""
+    from attngen.codegen.gluon import build_source
+
+    path = tmp_path / f"{name}_shard_gluon.py"
+    path.write_text(build_source(plan_gluon(dataclasses.replace(plan(_spec(name), "h100"), global_positions=True)))[1])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path), "bf16"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
+    lines = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
+    for kernel in ("_attn_fwd", "_attn_bwd"):
+        r = lines[kernel]
+        assert {"24", "240"} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"] and r["cubin_bytes"] > 0, (name, r)
+    assert lines["_attn_fwd"]["spill_bytes"] == 0
+
+
 def test_on_the_cpu_a_gluon_kernel_runs_the_triton_forward(device):
     """kernel.gluon is made (it imports without a GPU), but CPU tensors go through the interpreter's Triton kernels."""
     kern = attngen.compile(_spec("causal", dtype=DType.FP16), "h100", backend="gluon")

@@ -53,7 +53,8 @@ def _training(src: str) -> str:
 
 def test_dead_branches_are_resolved_by_jinja():
     plain = _training(render(plan(load_spec("attention t { head_dim = 64 }"), "h100")))
-    assert "keep = kv_idx < kv_len" in plain
+    assert "keep = offs_n[None, :] < kv_len" in plain  # the key bound: rows of the call's tensors
+    assert "q_offset" not in plain and "seq_q_len" not in plain  # positions: only a context-parallel shard's kernels
     assert "m_ij_safe" not in plain and "l_safe" not in plain  # no row can be empty without a mask
     assert "QK_SCALE_LOG2" in plain and "score =" not in plain.split("_attn_fwd(")[1].split("def attention_forward")[0]
     assert "offs_d[None, :] < HEAD_DIM" not in plain  # 64 needs no padding
@@ -96,3 +97,35 @@ def test_q_only_input_loads_are_hoisted_out_of_the_key_loop():
 
 def test_templates_are_found():
     assert (templates_root() / "triton" / "module.py.jinja").is_file()
+
+
+def test_a_shards_kernels_see_positions_in_the_whole_sequence():
+    """KernelPlan.global_positions (context parallelism): the row and key indices the expressions and the tile
+    classes see are offset to positions in the whole sequence, whose lengths replace the call's in the
+    expressions; the bounds of the call's own rows stay local; the plain kernels have none of it."""
+    import dataclasses
+
+    from attngen.codegen.gluon import plan_gluon
+    from attngen.codegen.gluon import render as render_gluon
+
+    spec = load_spec("attention t { head_dim = 128 dtype = bf16 mask = q_idx >= kv_idx and q_idx + 8 < q_len }")
+    base = plan(spec, "h100")
+    shard = dataclasses.replace(base, global_positions=True)
+    causal = plan(load_spec("attention c { head_dim = 128 mask = q_idx >= kv_idx }"), "h100")
+    assert not causal.may_mask_rows  # every row keeps key 0, but a shard's keys may all lie outside a row's mask:
+    assert dataclasses.replace(causal, global_positions=True).may_mask_rows
+    compile(render(shard), "t", "exec")
+    src = _training(render(shard))
+    for line in ("q_idx = offs_m[:, None] + q_offset", "kv_idx = offs_n[None, :] + kv_offset", "q_offset, kv_offset, seq_q_len, seq_kv_len,",
+                 "full, empty = _tile_class(row_lo + q_offset, row_hi + q_offset, start + kv_offset, end + kv_offset, b, h, seq_q_len, seq_kv_len)",
+                 "(offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)", "+ 8 < seq_q_len"):
+        assert line in src, line
+    assert "+ 8 < q_len" not in src.split("import triton.language as tl")[1]  # the expressions never see the call's rows (the header shows the spec)
+    plain = _training(render(base))
+    assert "q_offset" not in plain and "+ 8 < q_len" in plain
+    gluon = render_gluon(plan_gluon(shard))
+    compile(gluon, "t_gluon", "exec")
+    for line in ("q_lo, q_hi, kv_lo, kv_hi = q_lo + q_offset, q_hi + q_offset, kv_lo + kv_offset, kv_hi + kv_offset",
+                 "q_len, kv_len = seq_q_len, seq_kv_len", "(kv_idx < kv_len + kv_offset)", "+ 8 < seq_q_len"):
+        assert line in gluon, line
+    assert "q_offset" not in render_gluon(plan_gluon(base))

@@ -34,10 +34,15 @@ class ReadGradCode:
 
 
 def lower_for_kernel(plan: KernelPlan, inner_vars: frozenset[str], want_dscore: bool, helpers: set[str],
-                      want_read_grads: bool = False) -> KernelCode:
+                      want_read_grads: bool = False, global_positions: bool = False) -> KernelCode:
+    """global_positions: the kernel is a context-parallel shard's (KernelPlan.global_positions), where the
+    expressions' q_len and kv_len are the whole sequence's, seq_q_len and seq_kv_len (q_len and kv_len are the
+    shard's rows)."""
     spec = plan.spec
     scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
     names = {v: v for v in ex.SCORE_VARS}
+    if global_positions:
+        names |= {"q_len": "seq_q_len", "kv_len": "seq_kv_len"}
     lowerer = ex.Lowerer(scope, names, inner_vars)
     grads = list(plan.read_grads) if want_read_grads else []
     exprs = [e for e in (plan.mask, plan.score, plan.dscore if want_dscore else None) if e is not None]

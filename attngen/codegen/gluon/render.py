@@ -30,8 +30,9 @@ def context(gp: GluonPlan) -> dict:
     plan = gp.base
     spec = plan.spec
     helpers: set[str] = set()
-    fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers)
-    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers)  # as the Triton dK/dV kernel's
+    pos = plan.global_positions  # a context-parallel shard's kernels: the expressions see the whole sequence's lengths
+    fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers, global_positions=pos)
+    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos)  # as the Triton dK/dV kernel's
     tile_class = None
     if plan.mask is not None and plan.classify:
         tile_class = lower_tile_class(plan.mask, ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name))
@@ -58,6 +59,10 @@ def context(gp: GluonPlan) -> dict:
         "has_dropout": spec.dropout > 0.0,
         "deterministic": spec.deterministic,  # dQ's additions in a fixed order
         "guard_rows": plan.may_mask_rows,
+        "positions": pos,
+        # what a shard's kernels add to the row and key indices to make them positions in the whole sequence
+        "q_pos": " + q_offset" if pos else "",
+        "kv_pos": " + kv_offset" if pos else "",
         "mask": translate(fwd.mask),
         "score": translate(fwd.score),
         "inner": [translate(s) for s in fwd.inner],

@@ -30,9 +30,10 @@ def context(plan: KernelPlan) -> dict:
     spec = plan.spec
     helpers: set[str] = set()
     q_outer = plan.loop_order is LoopOrder.Q_OUTER
-    fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"} if q_outer else {"q_idx", "score"}), False, helpers)
-    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers)
-    dq = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers, want_read_grads=True)
+    pos = plan.global_positions
+    fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"} if q_outer else {"q_idx", "score"}), False, helpers, global_positions=pos)
+    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos)
+    dq = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers, want_read_grads=True, global_positions=pos)
     decode = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers)  # h and q_idx: one per row, set once
     tile_class = None
     if plan.mask is not None and plan.classify:
@@ -56,6 +57,10 @@ def context(plan: KernelPlan) -> dict:
         "has_dropout": plan.spec.dropout > 0.0,
         "runtime_sparsity": spec.sparsity == "runtime",
         "guard_rows": plan.may_mask_rows,
+        "positions": plan.global_positions,
+        # what a shard's kernels add to the row and key indices to make them positions in the whole sequence
+        "q_pos": " + q_offset" if plan.global_positions else "",
+        "kv_pos": " + kv_offset" if plan.global_positions else "",
         "pad_d": plan.head_dim_pad != plan.head_dim,
         "tma": plan.tma,
         "warp_specialize": plan.warp_specialize,
