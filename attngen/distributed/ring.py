@@ -1,0 +1,258 @@
+"""Ring attention over torch.distributed: one attention whose sequence is split across the ranks of a process
+group, forward and backward.
+
+Every rank holds its shard of q, k and v (attngen/distributed/layout.py says which tokens). The key/value shards
+travel around the ring, rank r sending to r + 1 and receiving from r - 1 (torch.distributed's batch_isend_irecv:
+NCCL on GPUs, gloo on CPUs), the transfer of the next shard overlapping the work on the current one. At step s rank
+r holds the keys of rank r - s; for every pair of its query chunks and those key chunks that the mask does not
+provably drop whole (attngen/intervals.py, at the chunks' positions), the shard kernels (Kernel._shard_forward)
+give a partial O and log-sum-exp (O float32 from the Triton generator, the inputs' type from the Gluon one), merged
+into float32 in step order (so reruns are bit-identical). The backward sends the keys around again, with the
+float32 sums of dK and dV for them: each rank adds its part, in ring order, and a last step hands each shard's
+finished sums to its owner (in the inputs' element type). dQ stays on its rank. Expressions see positions in the
+whole sequence. Eager only: the point-to-point calls and the host's choice of chunk pairs are not traced."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InputError
+from ..intervals import Truth, tile_env, truth
+from ..runtime import LN2, Kernel, _Dims
+from ..spec import KVLayout
+from .layout import Chunk, _group_shape, check_layout, chunks
+
+
+class _Ring:
+    """This rank's place in the group: its neighbours (as global ranks, which the point-to-point calls take)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.world = _group_shape(group)
+        peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.next = peer((self.rank + 1) % self.world)
+        self.prev = peer((self.rank - 1) % self.world)
+
+    def send_recv(self, tensors: list[torch.Tensor]) -> "_Transfer":
+        """Start sending `tensors` to the next rank and receiving the previous rank's (same shapes)."""
+        bufs = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in bufs]
+        return _Transfer(dist.batch_isend_irecv(ops), tensors, bufs)
+
+
+class _Transfer:
+    """Transfers in flight; wait() gives the received tensors (on a GPU: the current stream waits for them)."""
+
+    def __init__(self, works, sent, received):
+        self.works, self.sent, self.received = works, sent, received  # `sent` stays referenced until done
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        self.sent = None
+        return self.received
+
+
+_AGREED: set = set()  # (group, shapes) every rank of the group was seen to share
+
+
+def _check_same_shapes(ring: _Ring, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Every rank's shards must have the same shapes (the ring exchanges equal buffers): checked once per group
+    and shapes by an all-gather of the shapes."""
+    key = (id(ring.group), ring.world, tuple(q.shape), tuple(k.shape), q.device)
+    if key in _AGREED or ring.world == 1:
+        return
+    mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64, device=q.device)
+    seen = [torch.empty_like(mine) for _ in range(ring.world)]
+    dist.all_gather(seen, mine, group=ring.group)
+    shapes = [tuple(s.tolist()) for s in seen]
+    if len(set(shapes)) > 1:
+        listing = "; ".join(f"rank {r}: q {s[:4]}, k {s[4:]}" for r, s in enumerate(shapes))
+        raise InputError(f"context_parallel: every rank must hold a shard of the same shape (equal token counts); got {listing}")
+    _AGREED.add(key)
+
+
+def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "contiguous", *,
+                     return_lse: bool = False, dropout_p: float | None = None, seed: int | None = None, **inputs: torch.Tensor):
+    """This rank's shard of the attention of the whole sequence, whose shards q, k, v (B, H, N / world, D) the
+    ranks of `group` (default: the world) hold by `layout` ("contiguous" or "zigzag", see shard()).
+    Differentiable (q, k, v). The spec's expressions see positions in the whole sequence, so causal masks,
+    windows, documents and ALiBi mean what they mean on one GPU; declared inputs are passed whole (e.g. doc
+    (B, N)), the same on every rank. return_lse: also this shard's rows' log-sum-exp (natural log). Dropout
+    needs an explicit seed, the same on every rank, and chunks of a multiple of 128 tokens.
+
+    Every rank must call it with equal shapes (checked once per group and shapes). Not supported: runtime block
+    sparsity, paged caches, packed sequences, gradients of declared inputs, torch.compile (eager only)."""
+    if not isinstance(kern, Kernel):
+        raise InputError(f"context_parallel takes a kernel from attngen.compile, got {type(kern).__name__}")
+    if torch.compiler.is_compiling():
+        raise InputError("context_parallel is not supported under torch.compile yet: call it from a function marked "
+                         "@torch.compiler.disable (the rest of the model can stay compiled)")
+    check_layout(layout)
+    spec = kern.spec
+    if spec.sparsity == "runtime":
+        raise InputError(f"context_parallel does not support runtime block sparsity yet (the spec {spec.name!r} has sparsity = runtime)")
+    if spec.kv_layout is KVLayout.PAGED:
+        raise InputError(f"context_parallel splits training-style attention; the spec {spec.name!r} has kv_layout = paged")
+    ring = _Ring(group)
+    dims, tensors = kern._check(q, k, v, inputs)
+    if q.shape[2] != k.shape[2]:
+        raise InputError(f"context_parallel: q and k must be shards of one sequence (self-attention), the same number of tokens; "
+                         f"q has {q.shape[2]}, k has {k.shape[2]}")
+    n = q.shape[2]
+    mine = chunks(layout, ring.rank, ring.world, n)
+    seq_len = n * ring.world
+    kern._check_direct_indices(_Dims(dims.batch, dims.heads, dims.kv_heads, seq_len, seq_len), {d.name: t for d, t in zip(spec.inputs, tensors)})
+    p = spec.dropout if dropout_p is None else dropout_p
+    if spec.dropout == 0.0 and dropout_p:
+        raise InputError(f"dropout_p={dropout_p}, but the spec {spec.name!r} has no dropout")
+    if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise InputError(f"dropout_p must be a probability in [0, 1), got {p!r}")
+    if p:
+        if seed is None or not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise InputError(f"context_parallel with dropout needs seed= (a non-negative int below 2**63, the same on every rank), got {seed!r}")
+        if mine[0].length % 128:
+            raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
+                             f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {mine[0].length}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise InputError("context_parallel does not compute gradients of declared inputs yet; detach them")
+    _check_same_shapes(ring, q, k)
+    run = _Run(kern, ring, layout, n, tensors, float(p), seed if p else None)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse2 = _RingAttention.apply(run, q, k, v)
+    else:
+        o, lse2 = run.forward(q, k, v)
+    return (o, lse2 * LN2) if return_lse else o
+
+
+class _Run:
+    """One context-parallel call's fixed parts: the kernel, the ring, the layout and the pairs of chunks to compute.
+    Tensors are handled chunk by chunk, each chunk's rows contiguous (copied once per call where the layout has
+    two chunks per rank), so no kernel call copies its operands and the ring sends whole tensors."""
+
+    def __init__(self, kern: Kernel, ring: _Ring, layout: str, n: int, inputs: list, dropout_p: float, seed: int | None):
+        self.kern, self.ring, self.inputs, self.dropout_p, self.seed = kern, ring, inputs, dropout_p, seed
+        self.seq_len = n * ring.world
+        self.mine = chunks(layout, ring.rank, ring.world, n)
+        # step s: the pairs (i, j, positions) of query chunk i and key chunk j of rank r - s whose block the mask does
+        # not provably drop
+        self.steps = []
+        for s in range(ring.world):
+            theirs = chunks(layout, (ring.rank - s) % ring.world, ring.world, n)
+            self.steps.append([(i, j, (qc.start, kc.start, self.seq_len, self.seq_len)) for i, qc in enumerate(self.mine)
+                               for j, kc in enumerate(theirs) if not self._dropped(qc, kc)])
+
+    def _dropped(self, qc: Chunk, kc: Chunk) -> bool:
+        plan = self.kern.plan
+        if plan.mask is None or not plan.classify:
+            return False
+        env = tile_env(qc.start, qc.start + qc.length - 1, kc.start, kc.start + kc.length - 1, self.seq_len, self.seq_len)
+        return truth(plan.mask, env) is Truth.NEVER
+
+    def _split(self, t: torch.Tensor | None) -> list:
+        """t's rows as one contiguous tensor per chunk of this rank's layout."""
+        if t is None:
+            return [None] * len(self.mine)
+        return [t[:, :, _rows(c)].contiguous() for c in self.mine]
+
+    def forward(self, q, k, v):
+        """This rank's O and lse (log2 units) of the whole attention."""
+        qs = self._split(q)
+        kv = self._split(k) + self._split(v)  # the key chunks, then the value chunks: what travels the ring
+        count = len(self.mine)
+        o_acc, lse_acc = [None] * count, [None] * count
+        for step, pairs in enumerate(self.steps):
+            transfer = self.ring.send_recv(kv) if step < self.ring.world - 1 else None
+            for i, j, positions in pairs:
+                o, lse = self.kern._shard_forward(qs[i], kv[j], kv[count + j], self.inputs, self.dropout_p, self.seed, positions)
+                if o_acc[i] is None:  # the first part of these rows: taken as it is
+                    o_acc[i], lse_acc[i] = o.float(), lse
+                else:
+                    _merge(o_acc[i], lse_acc[i], o, lse)
+            if transfer is not None:
+                kv = transfer.wait()
+        for i, c in enumerate(self.mine):  # rows that no key chunk reaches: O = 0, lse = -inf
+            if o_acc[i] is None:
+                o_acc[i] = q.new_zeros((*q.shape[:2], c.length, q.shape[3]), dtype=torch.float32)
+                lse_acc[i] = torch.full((*q.shape[:2], c.length), float("-inf"), device=q.device, dtype=torch.float32)
+        return torch.cat(o_acc, 2).to(q.dtype), torch.cat(lse_acc, 2)
+
+    def backward(self, q, k, v, o, lse, do, dlse):
+        """(dQ, dK, dV) of this rank's shards: dQ summed here, dK and dV summed around the ring in float32."""
+        qs, os, lses, dos, dlses = (self._split(t) for t in (q, o, lse, do, dlse))
+        count = len(self.mine)
+        kv = self._split(k) + self._split(v)
+        dq = [None] * count
+        sums = None  # the dK, dV sums of the keys this rank holds, on their way from the previous rank
+        for step, pairs in enumerate(self.steps):
+            last = step == self.ring.world - 1
+            transfer = None if last else self.ring.send_recv(kv)
+            parts = [None] * (2 * count)  # this rank's part of dK (key chunks), then of dV
+            for i, j, positions in pairs:
+                dq_p, dk_p, dv_p = self.kern._shard_backward(qs[i], kv[j], kv[count + j], os[i], lses[i], dos[i], dlses[i],
+                                                             self.inputs, self.dropout_p, self.seed, positions)
+                dq[i] = dq_p.float() if dq[i] is None else dq[i].add_(dq_p)
+                for at, part in ((j, dk_p), (count + j, dv_p)):
+                    parts[at] = part.float() if parts[at] is None else parts[at].add_(part)
+            # the sums so far: the ranks before this one in ring order, then this rank's part
+            if sums is None:
+                total = [p if p is not None else torch.zeros_like(kv[at], dtype=torch.float32) for at, p in enumerate(parts)]
+            else:
+                total = sums.wait()
+                for at, part in enumerate(parts):
+                    if part is not None:
+                        total[at].add_(part)
+            if last:  # complete: to their owner in the inputs' element type (what the owner would round them to)
+                total = [t.to(k.dtype) for t in total]
+            # to the next rank, which holds these keys next (after the last step: their owner)
+            sums = self.ring.send_recv(total) if self.ring.world > 1 else _Done(total)
+            if transfer is not None:
+                kv = transfer.wait()
+        total = sums.wait()
+        for i, c in enumerate(self.mine):
+            if dq[i] is None:
+                dq[i] = q.new_zeros((*q.shape[:2], c.length, q.shape[3]), dtype=torch.float32)
+        return torch.cat(dq, 2).to(q.dtype), torch.cat(total[:count], 2), torch.cat(total[count:], 2)
+
+
+class _Done:
+    """A transfer to oneself (a group of one rank)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        return self.tensors
+
+
+def _rows(c: Chunk) -> slice:
+    return slice(c.row, c.row + c.length)
+
+
+def _merge(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """o_acc, lse_acc (float32, updated in place) := the softmax merge of two partial results over disjoint keys
+    (log2 units): lse = log2(2^lse_acc + 2^lse), O = the two O's weighted by 2^(lse_i - lse). Rows with no key
+    in either (-inf) stay O = 0, lse = -inf."""
+    new = torch.logaddexp2(lse_acc, lse)
+    safe = torch.where(new == float("-inf"), 0.0, new)
+    o_acc.mul_(torch.exp2(lse_acc - safe).unsqueeze(-1)).addcmul_(o, torch.exp2(lse - safe).unsqueeze(-1))
+    lse_acc.copy_(new)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _Run, q, k, v):
+        ctx.set_materialize_grads(False)
+        o, lse = run.forward(q, k, v)
+        ctx.run = run
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if do is None:  # only the lse reaches the loss; every rank still joins the ring (the others need its part)
+            do = torch.zeros_like(o)
+        dq, dk, dv = ctx.run.backward(q, k, v, o, lse, do.contiguous(), dlse)
+        return None, dq, dk, dv

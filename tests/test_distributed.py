@@ -1,0 +1,163 @@
+"""Context parallelism (attngen.distributed) over gloo, 2 and 4 processes spawned by the test: every rank's shard of
+O, the lse and dQ, dK, dV, gathered, against the single-process kernel and the float64 reference with the error
+budget of attngen.verify; reruns bit-identical; the masks (causal, window, documents, ALiBi, grouped-query heads,
+dropout) evaluated at positions in the whole sequence. Shapes that cannot be split are refused with a clear error.
+On the GPU, benchmarks/context_parallel.py runs the same comparison over NCCL (BENCHMARKS.md)."""
+import multiprocessing
+import os
+import traceback
+
+import pytest
+import torch
+
+import attngen
+import attngen.distributed
+from attngen import verify
+from attngen.dtypes import TORCH_DTYPES
+from attngen.errors import InputError
+from attngen.verify import _bound
+
+pytestmark = pytest.mark.slow  # starts processes; each runs the kernels in Triton's interpreter
+
+# small tiles (16) so that every chunk spans several tiles and some tiles straddle a window's edge
+_TILES = "head_dim = 16\n block_m = 16\n block_n = 16\n"
+SPECS = {
+    "causal": f"attention causal {{ {_TILES} dtype = fp32\n mask = q_idx >= kv_idx }}",
+    "window": f"attention window {{ {_TILES} dtype = fp32\n mask = q_idx >= kv_idx and q_idx - kv_idx < 40 }}",
+    "document": f"attention document {{ {_TILES} dtype = fp32\n input doc: int32[B, N]\n"
+                f" mask = doc[b, q_idx] == doc[b, kv_idx] and q_idx >= kv_idx }}",
+    "alibi": f"attention alibi {{ {_TILES} dtype = fp32\n input slopes: fp32[H]\n mask = q_idx >= kv_idx\n"
+             f" score = score - slopes[h] * (q_idx - kv_idx) }}",
+    "dense_bf16": f"attention dense_bf16 {{ {_TILES} dtype = bf16 }}",
+    # the whole sequence's length, not the shard's: the last 8 rows of the sequence keep no key
+    "lengths": f"attention lengths {{ {_TILES} dtype = fp32\n mask = q_idx >= kv_idx and q_idx + 8 < kv_len }}",
+    "dropout": "attention dropout { head_dim = 16\n block_m = 16\n block_n = 64\n dtype = fp32\n mask = q_idx >= kv_idx\n dropout = 0.2 }",
+}
+B, HQ, HKV, N = 1, 4, 2, 128
+SEED = 1234
+# (spec, layout): run by every world size below; dropout needs 128-token chunks (world 2, contiguous: 256 tokens)
+CASES = [("causal", "zigzag"), ("causal", "contiguous"), ("window", "zigzag"), ("document", "zigzag"), ("alibi", "contiguous"),
+         ("dense_bf16", "zigzag"), ("lengths", "contiguous")]
+
+
+def _data(name, n):
+    spec = attngen.compile(SPECS[name], "h100").spec
+    gen = torch.Generator().manual_seed(0)
+    dtype = TORCH_DTYPES[spec.dtype.value]
+    q, do = (torch.randn(B, HQ, n, spec.head_dim, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(B, HKV, n, spec.head_dim, generator=gen).to(dtype) for _ in range(2))
+    return q, k, v, do, verify.make_inputs(spec, B, HQ, n, n, "cpu", gen)
+
+
+def _run(kern, layout, q, k, v, do, inputs, **kw):
+    """This rank's shards through context_parallel, forward and backward; the results gathered whole."""
+    cp = attngen.distributed
+    leaves = [cp.shard(t, layout).requires_grad_() for t in (q, k, v)]
+    o, lse = cp.context_parallel(kern, *leaves, layout=layout, return_lse=True, **kw, **inputs)
+    o.backward(cp.shard(do, layout))
+    return [cp.unshard(t.detach(), layout) for t in (o, lse, *(x.grad for x in leaves))]
+
+
+def _worker(rank, world, init, out, cases):
+    import torch.distributed as dist
+
+    import attngen.distributed  # noqa: F401 (attngen.distributed below)
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    results = {}
+    try:
+        for name, layout in cases:
+            kern = attngen.compile(SPECS[name], "h100")
+            n = 256 if name == "dropout" else N
+            q, k, v, do, inputs = _data(name, n)
+            kw = {"seed": SEED} if name == "dropout" else {}
+            first = _run(kern, layout, q, k, v, do, inputs, **kw)
+            again = _run(kern, layout, q, k, v, do, inputs, **kw)
+            results[(name, layout)] = (first, all(torch.equal(a, b) for a, b in zip(first, again)))
+        # refused: shards of different lengths on different ranks, zigzag's odd shard, dropout without a seed
+        kern = attngen.compile(SPECS["causal"], "h100")
+        errors = {}
+        for what, call in (
+            ("uneven", lambda: attngen.distributed.context_parallel(kern, *(torch.randn(1, 2, 16 + rank, 16) for _ in range(3)))),
+            ("odd", lambda: attngen.distributed.context_parallel(kern, *(torch.randn(1, 2, 15, 16) for _ in range(3)), layout="zigzag")),
+            ("seed", lambda: attngen.distributed.context_parallel(attngen.compile(SPECS["dropout"], "h100"), *(torch.randn(1, 2, 128, 16) for _ in range(3)))),
+            ("layout", lambda: attngen.distributed.context_parallel(kern, *(torch.randn(1, 2, 16, 16) for _ in range(3)), layout="ring")),
+        ):
+            try:
+                call()
+                errors[what] = None
+            except InputError as e:
+                errors[what] = str(e)
+        results["errors"] = errors
+    except Exception:
+        results = {"crash": traceback.format_exc()}
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def _spawn(world, cases, tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    out = tmp_path / "results.pt"
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_worker, args=(r, world, init, str(out), cases)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=900)
+        assert p.exitcode == 0, f"a worker exited with {p.exitcode}"
+    results = torch.load(out)
+    assert "crash" not in results, results.get("crash")
+    return results
+
+
+def _check(name, layout, gathered, identical):
+    """The gathered results against the kernel in one process and the float64 reference."""
+    assert identical, f"{name} ({layout}): a rerun gave different bits"
+    kern = attngen.compile(SPECS[name], "h100")
+    n = gathered[0].shape[2]
+    q, k, v, do, inputs = _data(name, n)
+    o, lse, dq, dk, dv = gathered
+    assert not any(torch.isnan(t).any() for t in (o, dq, dk, dv)), name
+    dtype = q.dtype
+    kw = {"seed": SEED} if name == "dropout" else {}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    one, one_lse = kern(*leaves, return_lse=True, **kw, **inputs)
+    one_grads = torch.autograd.grad(one, leaves, do)
+    ref_kw = {"dropout_p": kern.spec.dropout, "seed": SEED} if name == "dropout" else {}  # the kernels' own keep pattern
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = attngen.reference(kern, *wide, dtype=torch.float64, **ref_kw, **inputs)
+    narrow = [t.clone().requires_grad_() for t in (q, k, v)]
+    naive = attngen.reference(kern, *narrow, dtype=dtype, **ref_kw, **inputs)
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    naive_grads = torch.autograd.grad(naive, narrow, do)
+    err, _, bound = _bound(o, naive.detach(), ref.detach(), 2)
+    assert err <= bound, (name, layout, "out", err, bound)
+    err1, _, bound1 = _bound(one.detach(), naive.detach(), ref.detach(), 2)
+    assert err1 <= bound1  # the one-process kernel itself, on the same data
+    finite = torch.isfinite(one_lse)
+    assert torch.equal(torch.isfinite(lse), finite), (name, layout)
+    assert (lse[finite] - one_lse[finite]).abs().max() <= 1e-4 * max(1.0, one_lse[finite].abs().max()), (name, layout)
+    for what, g, rg, ng, og in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads, one_grads):
+        err, _, bound = _bound(g, ng, rg, 3, 1.0)
+        assert err <= bound, (name, layout, what, err, bound)
+        assert (g.float() - og.float()).abs().max() <= 2 * bound, (name, layout, what)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_matches_one_process_and_the_reference(world, tmp_path):
+    cases = CASES + ([("dropout", "contiguous")] if world == 2 else [])
+    results = _spawn(world, cases, tmp_path)
+    for name, layout in cases:
+        _check(name, layout, *results[(name, layout)])
+    errors = results["errors"]
+    assert "same shape" in errors["uneven"] and "rank 1: q (1, 2, 17, 16)" in errors["uneven"], errors["uneven"]
+    assert "odd" in errors["odd"], errors["odd"]
+    assert "seed=" in errors["seed"], errors["seed"]
+    assert "layout must be one of contiguous, zigzag" in errors["layout"], errors["layout"]
+
+
+def test_a_call_without_a_process_group_says_so():
+    kern = attngen.compile(SPECS["causal"], "h100")
+    with pytest.raises(InputError, match="init_process_group"):
+        attngen.distributed.context_parallel(kern, *(torch.randn(1, 2, 16, 16) for _ in range(3)))
