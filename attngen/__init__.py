@@ -50,10 +50,10 @@ def __getattr__(name):
         from . import importer
 
         return getattr(importer, name)
-    if name == "kvcache":  # serving: attngen.kvcache.append / gather (key/value caches, paged or contiguous)
+    if name in ("kvcache", "fp8", "distributed"):  # serving's caches, FP8 quantization, context parallelism
         import importlib
 
-        return importlib.import_module(".kvcache", __name__)  # (`from . import` would ask this function again)
+        return importlib.import_module(f".{name}", __name__)  # (`from . import` would ask this function again)
     if name == "load_spec":
         from .check import load_spec
 
@@ -76,6 +76,8 @@ __all__ = [
     "block_mask_from_dense",
     "load_spec",
     "kvcache",
+    "fp8",
+    "distributed",
     "install_import_hook",
     "uninstall_import_hook",
     "TargetWarning",

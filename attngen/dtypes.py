@@ -13,6 +13,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
     "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,  # a spec's dtype only (q, k, v); declared inputs cannot be fp8
 }
 # A spec's name of each floating-point torch type (what a spec's `dtype` may be)
 SPEC_FLOAT_DTYPES: dict[torch.dtype, str] = {t: name for name, t in TORCH_DTYPES.items() if t.is_floating_point}

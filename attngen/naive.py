@@ -111,7 +111,8 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
 def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype: torch.dtype | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, seed: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
               cu_seqlens_k: torch.Tensor | None = None, kv_lens: torch.Tensor | None = None, q_lens: torch.Tensor | None = None,
-              block_table: torch.Tensor | None = None, **inputs: torch.Tensor):
+              block_table: torch.Tensor | None = None, q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+              v_descale: torch.Tensor | None = None, fp8_p: bool = False, **inputs: torch.Tensor):
     """Naive attention for `spec` (a Spec or a compiled kernel). Differentiable with torch autograd.
     With dropout_p > 0 (and the seed given to the kernel), probabilities are multiplied by
     attngen.dropout_mask(seed, ...) / (1 - attngen.dropout_probability(dropout_p)): the kernels' exact pattern
@@ -129,8 +130,20 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     read); q_lens (B,): its first q_lens[b] queries (the other rows give 0 and lse -inf); block_table (B, pages):
     k and v are paged caches (num_pages, page_size, Hkv, D), read through the table (attngen.kvcache.gather).
     Each sequence is computed on its own with its lengths as q_len and kv_len.
+
+    FP8 (e4m3 q, k, v): their descale factors q_descale, k_descale, v_descale as the kernels take them
+    (attngen.fp8); the inputs are dequantized, then computed in `dtype`. fp8_p=True also rounds P to e4m3 as the
+    FP8 kernels do before P V (relative to each row's maximum): the naive model of their error.
     """
     dtype = dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
+    if q.dtype == torch.float8_e4m3fn or k.dtype == torch.float8_e4m3fn or v.dtype == torch.float8_e4m3fn:
+        from . import fp8
+
+        B, Hq, Nq, _ = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        q = fp8.dequantize(q, fp8.descale_blocks("q_descale", q_descale, B, Hq, Hkv, Nq, q.device))
+        k = fp8.dequantize(k, fp8.descale_blocks("k_descale", k_descale, B, Hkv, Hkv, Nk, k.device))
+        v = fp8.dequantize(v, fp8.descale_blocks("v_descale", v_descale, B, Hkv, Hkv, Nk, v.device, per_block=False), per_block=False)
     if dropout_p > 0.0 and seed is None:
         raise ValueError("reference(..., dropout_p > 0) needs the seed the kernel was called with")
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
@@ -140,6 +153,9 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
         return _serving_reference(getattr(spec, "spec", spec), q, k, v, kv_lens, q_lens, block_table, dtype, return_lse, inputs)
     p, lse = _softmax(getattr(spec, "spec", spec), q, k, dtype, inputs)
     Hq, Hkv = q.shape[1], k.shape[1]
+    if fp8_p:  # P / its row maximum is what the kernels round to e4m3 (their running maximum: the same error level)
+        row_max = p.amax(-1, keepdim=True).clamp(min=torch.finfo(p.dtype).tiny)
+        p = (p / row_max).to(torch.float8_e4m3fn).to(dtype) * row_max
     if dropout_p > 0.0:
         p = _dropped(p, dropout_p, seed, 0)
     vf = v.to(dtype).repeat_interleave(Hq // Hkv, dim=1) if Hq != Hkv else v.to(dtype)

@@ -255,6 +255,14 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     if spec.dtype is DType.BF16 and not tgt.supports_bf16:
         cc = ".".join(map(str, tgt.compute_capability))
         raise PlanError(f"{spec.name}: bf16 needs compute capability 8.0 or newer; {tgt.full_name} is {cc} (use dtype = fp16)")
+    if spec.dtype is DType.FP8:
+        if tgt.arch < 89:
+            cc = ".".join(map(str, tgt.compute_capability))
+            raise PlanError(f"{spec.name}: dtype = fp8 needs FP8 tensor cores (compute capability 8.9 or newer); {tgt.full_name} is {cc}")
+        if spec.loop_order is LoopOrder.KV_OUTER:
+            raise PlanError(f"{spec.name}: dtype = fp8 has a q_outer forward only; remove loop_order = kv_outer")
+        if spec.kv_layout is KVLayout.PAGED:
+            raise PlanError(f"{spec.name}: dtype = fp8 is not supported with kv_layout = paged yet (FP8 key/value caches)")
 
     steps: list[Step] = []
     isz = spec.dtype.itemsize

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor  # at module scope: the custom ops' annotations are read as strings
 
-from . import kvcache
+from . import fp8, kvcache
 from .blocks import block_lists
 from .check import read_spec
 from .decode import decode_shape, takes_plain_call
@@ -185,7 +185,8 @@ class Kernel:
                  dropout_p: float | None = None, seed: int | None = None, block_mask: torch.Tensor | None = None,
                  cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                  max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, kv_lens: torch.Tensor | None = None,
-                 q_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **inputs: torch.Tensor):
+                 q_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, q_descale: torch.Tensor | None = None,
+                 k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None, **inputs: torch.Tensor):
         """O (and the natural-log row log-sum-exp with return_lse). Dropout: `dropout_p` overrides the spec's
         `dropout` (0.0 at evaluation); `seed` (default: drawn from torch's CPU generator, so torch.manual_seed
         makes runs repeatable, under torch.compile too) fixes the pattern, which attngen.dropout_mask gives
@@ -203,9 +204,16 @@ class Kernel:
         block_table (int32 (B, pages per sequence)) and kv_lens. Expressions see each sequence's lengths.
         Plain calls with few queries and nothing to differentiate take the same decode kernels.
 
+        FP8 (a `dtype = fp8` spec, forward only): q, k, v in e4m3 and their float32 descale factors q_descale,
+        k_descale, v_descale (default 1; shapes in attngen/fp8.py, which also quantizes); O in bf16.
+
         Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of custom
         ops (forward, backward) named after the kernel, so a compiled model calls it with no graph break."""
         compiling = torch.compiler.is_compiling()
+        if self.spec.dtype is DType.FP8 or q_descale is not None or k_descale is not None or v_descale is not None:
+            o, lse2 = self._fp8_call(q, k, v, inputs, (q_descale, k_descale, v_descale), dropout_p, seed, block_mask, compiling,
+                                     any(t is not None for t in (kv_lens, q_lens, block_table, cu_seqlens_q, cu_seqlens_k)))
+            return (o, lse2 * LN2) if return_lse else o
         varlen = None
         if kv_lens is not None or q_lens is not None or block_table is not None or self.spec.kv_layout is KVLayout.PAGED:
             o, lse2 = self._serving_call(q, k, v, inputs, kv_lens, q_lens, block_table, dropout_p, block_mask,
@@ -240,6 +248,28 @@ class Kernel:
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
+
+    def _fp8_call(self, q, k, v, inputs: dict, descales: tuple, dropout_p, seed, block_mask, compiling: bool, other_layout: bool):
+        """A call of a `dtype = fp8` spec: checked, then the forward (no autograd: FP8 attention has no backward)."""
+        spec = self.spec
+        if spec.dtype is not DType.FP8:
+            raise InputError(f"q_descale, k_descale and v_descale go with a `dtype = fp8` spec; {spec.name!r} has dtype = {spec.dtype.value}")
+        if compiling:
+            raise InputError("FP8 kernels are not supported under torch.compile yet; call them from a function marked @torch.compiler.disable")
+        if other_layout:
+            raise InputError("FP8 kernels take (B, H, N, D) tensors only: packed sequences (cu_seqlens), kv_lens, q_lens and paged caches "
+                             "are not supported with dtype = fp8 yet")
+        dims, tensors = self._check(q, k, v, inputs)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
+            raise InputError("FP8 attention is forward only (its inputs are quantized): call it under torch.no_grad() or "
+                             "torch.inference_mode()")
+        p, seed_t = self._dropout_args(dropout_p, seed)
+        self._check_block_mask(block_mask)
+        blocks = [fp8.descale_blocks(name, d, dims.batch, heads, dims.kv_heads, n, q.device, per_block)
+                  for name, d, heads, n, per_block in (("q_descale", descales[0], dims.heads, dims.q_len, True),
+                                                       ("k_descale", descales[1], dims.kv_heads, dims.kv_len, True),
+                                                       ("v_descale", descales[2], dims.kv_heads, dims.kv_len, False))]
+        return self._forward_impl(q, k, v, tensors, p, seed_t, block_mask, descales=tuple(blocks))
 
     def _serving_call(self, q, k, v, inputs: dict, kv_lens, q_lens, block_table, dropout_p, block_mask, packed: bool, compiling: bool):
         """A call with per-sequence lengths or a paged cache: checked, then the decode kernels (forward only)."""
@@ -363,19 +393,28 @@ class Kernel:
         views = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)]  # (1, H, total rows, D)
         return (*views, (cu_q, cu_k, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"]))
 
-    def _forward_impl(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask, varlen=None):
+    def _forward_impl(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask, varlen=None, descales=None):
         """O and the lse in log2 units: what every call runs, eager or compiled (the tensors are checked).
-        varlen: packed sequences (see _varlen)."""
+        varlen: packed sequences (see _varlen). descales: FP8's, in attngen.fp8.descale_blocks' layout."""
         check_device(q.device, self.module)
         dims = _dims_of(q, k, varlen)
+        out_dtype = torch.bfloat16 if self.spec.dtype is DType.FP8 else q.dtype
         if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
-            return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+            return q.new_zeros(q.shape, dtype=out_dtype), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+        if descales is not None and q.device.type == "cpu":
+            # Triton's interpreter rounds float32 to e4m3 unlike the GPU (measured: up to 2 ulps apart): on the CPU an
+            # FP8 call runs the float32 kernels on the dequantized inputs (P unrounded), its O rounded to bf16
+            deq = (fp8.dequantize(q, descales[0]), fp8.dequantize(k, descales[1]), fp8.dequantize(v, descales[2], per_block=False))
+            o, lse = self._twin()._forward_impl(*deq, _up(*inputs), dropout_p, seed, block_mask)
+            return o.to(torch.bfloat16), lse
         if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
             return self.gluon.attention_forward(q, k, v, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device), varlen=varlen)
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
             o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask, varlen)
             return o.to(torch.bfloat16), lse
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
+        if descales is not None:
+            extra["descales"] = descales
         with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
             if varlen is not None:
                 return self.module.attention_forward(q, k, v, *inputs, **extra, varlen=varlen)

@@ -15,14 +15,15 @@ class DType(enum.Enum):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
+    FP8 = "fp8"  # e4m3 q, k, v with float32 descale factors given at call time; O in bf16; forward only
 
     @property
     def itemsize(self) -> int:
-        return 4 if self is DType.FP32 else 2
+        return {"fp32": 4, "fp8": 1}.get(self.value, 2)
 
     @property
     def torch_name(self) -> str:
-        return {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[self.value]
+        return {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}[self.value]
 
 
 class LoopOrder(enum.Enum):

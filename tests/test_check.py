@@ -56,7 +56,7 @@ BAD = [
     ("attention t { head_dim = 64.0 }", "head_dim must be an integer"),
     ("attention t { head_dim = 64 head_dim = 32 }", "head_dim is set twice"),
     ("attention t { head_dim = 64 maks = true }", "unknown setting 'maks'; did you mean 'mask'?"),
-    ("attention t { head_dim = 64 dtype = bf32 }", "dtype must be one of: fp16, bf16, fp32; got 'bf32'"),
+    ("attention t { head_dim = 64 dtype = bf32 }", "dtype must be one of: fp16, bf16, fp32, fp8; got 'bf32'"),
     ("attention t { head_dim = 64 scale = -1.0 }", "scale must be a positive number or auto"),
     ("attention t { head_dim = 64 dropout = 1.0 }", "dropout must be a probability in [0, 1)"),
     ("attention t { head_dim = 64 loop_order = kv_first }", "loop_order must be one of: q_outer, kv_outer"),

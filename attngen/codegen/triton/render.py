@@ -58,6 +58,7 @@ def context(plan: KernelPlan) -> dict:
         "runtime_sparsity": spec.sparsity == "runtime",
         "guard_rows": plan.may_mask_rows,
         "positions": plan.global_positions,
+        "fp8": plan.dtype is DType.FP8,
         # what a shard's kernels add to the row and key indices to make them positions in the whole sequence
         "q_pos": " + q_offset" if plan.global_positions else "",
         "kv_pos": " + kv_offset" if plan.global_positions else "",
