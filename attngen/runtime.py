@@ -408,7 +408,9 @@ class Kernel:
             o, lse = self._twin()._forward_impl(*deq, _up(*inputs), dropout_p, seed, block_mask)
             return o.to(torch.bfloat16), lse
         if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
-            return self.gluon.attention_forward(q, k, v, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device), varlen=varlen)
+            fp8_scales = {} if descales is None else {"descales": descales}
+            return self.gluon.attention_forward(q, k, v, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device), varlen=varlen,
+                                                **fp8_scales)
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
             o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask, varlen)
             return o.to(torch.bfloat16), lse

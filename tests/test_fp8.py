@@ -170,7 +170,30 @@ def test_plan_and_generator_choice():
     assert plan(load_spec(CAUSAL), "l4").dtype.itemsize == 1
     spec = load_spec(CAUSAL)
     choice = choose(spec, plan(spec, "h100"))
-    assert choice.generator == "triton" and "dtype fp8" in choice.reason
+    assert choice.generator == "triton" and "dtype fp8 with head_dim 64" in choice.reason
+    wide = load_spec(CAUSAL.replace("head_dim = 64", "head_dim = 128"))
+    choice = choose(wide, plan(wide, "h100"))
+    assert choice.generator == "gluon" and "FP8 forward measured" in choice.reason and choice.backward == "triton"
     src = attngen.compile(CAUSAL, "h100").source
     assert "DESCALE_BLOCK = tl.constexpr(128)" in src and "k_descale = tl.load(k_descales + start_n // DESCALE_BLOCK)" in src
     assert "def keys_contiguous(" in src and "acc = acc * v_descale" in src
+
+
+@pytest.mark.slow  # triton.compile for sm_90 in a subprocess: about 10 s
+def test_the_gluon_fp8_forward_compiles_for_sm90(tmp_path):
+    """The Gluon generator's FP8 forward (d = 128): e4m3 wgmma products, P through shared memory, V^T tiles by TMA;
+    compiled for sm_90 with its schedule intact and nothing spilled. Its numerics: benchmarks/fp8.py on the GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from attngen.codegen.gluon import build_source, plan_gluon
+
+    path = tmp_path / "fp8_gluon.py"
+    path.write_text(build_source(plan_gluon(plan(load_spec(CAUSAL.replace("head_dim = 64", "head_dim = 128")), "h100")))[1])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (r,) = [json.loads(line) for line in run.stdout.splitlines()]
+    assert r["kernel"] == "_attn_fwd" and r["wgmma"] and r["tma"] and {"24", "240"} <= set(r["setmaxnreg"]) and r["spill_bytes"] == 0, r

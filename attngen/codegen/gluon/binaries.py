@@ -48,6 +48,15 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     from ...dtypes import TORCH_DTYPES
 
     d = int(module.HEAD_DIM.value)
+    if hasattr(module, "keys_contiguous"):  # an FP8 module: e4m3 inputs, a forward only
+        dtype = torch.float8_e4m3fn
+        q = torch.zeros(batch, heads, q_len, d, dtype=dtype)
+        k = torch.zeros(batch, kv_heads, kv_len, d, dtype=dtype)
+        o = torch.empty(q.shape, dtype=torch.bfloat16)
+        lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
+        inputs = [torch.zeros([4] * ndim, dtype=TORCH_DTYPES[kind]) for _, kind, ndim in module.INPUTS]
+        args = module.launch_args(q, k, module.keys_contiguous(k), o, lse, *inputs)
+        return {"_attn_fwd": compile_kernel(module._attn_fwd, args, {"num_warps": 4, "maxnreg": module.MAXNREG})}
     q = torch.empty(batch, heads, q_len, d, dtype=dtype)
     k = torch.empty(batch, kv_heads, kv_len, d, dtype=dtype)
     o = torch.empty_like(q)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ...errors import PlanError
 from ...plan import KernelPlan
-from ...spec import Backend, Spec
+from ...spec import Backend, DType, Spec
 from .lower import Untranslatable
 from .plan import ARCH, GluonPlan, plan_gluon, unsupported
 from .render import context
@@ -18,6 +18,8 @@ from .render import context
 # from 4096) and 0.87-1.06x with softcap's score modification (its tanh is the bottleneck): those stay with Triton
 # unless backend = gluon.
 AUTO_HEAD_DIMS = (128,)
+# FP8 at d=128 on the H100 (BENCHMARKS.md, 2026-11-26 session 9): the Gluon forward 1.13-1.20x the Triton generator's
+FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
         slower = slower_than_triton(spec)
         if slower:
             return Choice("triton", f"auto: the Gluon forward measured slower here ({slower}); backend = gluon takes it anyway")
+    if spec.dtype is DType.FP8:
+        return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported ({FP8_MEASURED})", gp,
+                      "triton", "dtype fp8 is forward only")
     return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
                   *_choose_backward(spec, backend))
 

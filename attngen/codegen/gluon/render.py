@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ... import expr as ex
 from ...canonical import format_spec
+from ...spec import DType
 from ...intervals import lower_tile_class
 from .. import Templates, versions
 from ..lowering import KernelCode, lower_for_kernel
@@ -60,6 +61,7 @@ def context(gp: GluonPlan) -> dict:
         "deterministic": spec.deterministic,  # dQ's additions in a fixed order
         "guard_rows": plan.may_mask_rows,
         "positions": pos,
+        "fp8": spec.dtype is DType.FP8,
         # what a shard's kernels add to the row and key indices to make them positions in the whole sequence
         "q_pos": " + q_offset" if pos else "",
         "kv_pos": " + kv_offset" if pos else "",
