@@ -157,6 +157,12 @@ def test_context_parallel_matches_one_process_and_the_reference(world, tmp_path)
     assert "layout must be one of contiguous, zigzag" in errors["layout"], errors["layout"]
 
 
+def test_an_fp8_spec_is_refused_before_any_communication():
+    kern = attngen.compile("attention f { head_dim = 64 dtype = fp8 }", "h100")
+    with pytest.raises(InputError, match="FP8"):
+        attngen.distributed.context_parallel(kern, *(torch.zeros(1, 2, 16, 64, dtype=torch.float8_e4m3fn) for _ in range(3)))
+
+
 def test_a_call_without_a_process_group_says_so():
     kern = attngen.compile(SPECS["causal"], "h100")
     with pytest.raises(InputError, match="init_process_group"):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..errors import InputError
 from ..intervals import Truth, tile_env, truth
 from ..runtime import LN2, Kernel, _Dims
-from ..spec import KVLayout
+from ..spec import DType, KVLayout
 from .layout import Chunk, _group_shape, check_layout, chunks
 
 
@@ -95,6 +95,8 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         raise InputError(f"context_parallel does not support runtime block sparsity yet (the spec {spec.name!r} has sparsity = runtime)")
     if spec.kv_layout is KVLayout.PAGED:
         raise InputError(f"context_parallel splits training-style attention; the spec {spec.name!r} has kv_layout = paged")
+    if spec.dtype is DType.FP8:
+        raise InputError(f"context_parallel does not take FP8 specs yet (their descale factors are not split); {spec.name!r} has dtype = fp8")
     ring = _Ring(group)
     dims, tensors = kern._check(q, k, v, inputs)
     if q.shape[2] != k.shape[2]:
