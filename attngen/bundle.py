@@ -63,7 +63,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .errors import AttngenError
-from .spec import KVLayout
+from .spec import DType, KVLayout
 
 FORMAT = "attngen-bundle/1"
 MANIFEST = "manifest.json"
@@ -247,7 +247,8 @@ def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
     spec = kernel_plan.spec
     kern = Kernel(spec, kernel_plan, "", Path(module.__file__), module)
     with _Recording(module, arch) as sink:
-        if hasattr(module, "attention_decode"):
+        fp8 = spec.dtype is DType.FP8  # a forward only, never the decode kernels
+        if hasattr(module, "attention_decode") and not fp8:
             _record_decode(spec, module)
         for shape, q, k, v, inputs in _calls(spec) if spec.kv_layout is not KVLayout.PAGED else ():
             block_mask = inputs.pop("block_mask", None)
@@ -256,7 +257,7 @@ def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
             for p, seed in ([(spec.dropout, 1), (spec.dropout, 2**40), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
                 extra = kern._extra(*kern._dropout_args(p, seed), block_mask, _Dims(*shape), q.device)
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra)
-                for input_grads in ([False, True] if kernel_plan.read_grads else [False]):
+                for input_grads in ([False, True] if kernel_plan.read_grads else [False]) if not fp8 else ():
                     grads = {"input_grads": True} if input_grads else {}
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **grads, **extra)
     return _unique(sink)

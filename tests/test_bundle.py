@@ -295,6 +295,27 @@ def test_gluon_recording_covers_dropout_on_and_off():
     assert len([launch for launch in launches if launch.kernel == "_attn_fwd"]) == 2
 
 
+def test_recording_an_fp8_spec_takes_its_forward_only():
+    """An FP8 spec (forward only): the recorded launches of both generators' modules are the forward and the copy
+    of V with its keys contiguous; no backward, no decode kernel."""
+    from attngen.check import load_spec
+    from attngen.codegen.gluon import build_source as build_gluon, choose
+    from attngen.codegen.triton import build_source
+    from attngen.plan import plan
+
+    import tempfile
+
+    spec = load_spec("attention f8 {\n head_dim = 128\n dtype = fp8\n mask = q_idx >= kv_idx\n}")
+    p = plan(spec, "h100")
+    choice = choose(spec, p)
+    for label, source, record in (("triton", build_source(p)[1], lambda m: bundle.record_launches(p, m, 90)),
+                                  ("gluon", build_gluon(choice.gluon)[1], lambda m: bundle.record_gluon_launches(p, choice, m, 90))):
+        path = Path(tempfile.mkdtemp()) / f"f8_{label}.py"
+        path.write_text(source)
+        launches = record(bundle._import_compiled(f"test_record_f8_{label}", path, source))
+        assert {launch.kernel for launch in launches} == {"_attn_fwd", "_keys_contiguous"}, (label, launches)
+
+
 def test_build_refuses_what_cannot_run_on_the_target(tmp_path):
     with pytest.raises(attngen.PlanError, match="causal.attn for t4: .*bf16 needs compute capability 8.0"):
         bundle.build([ROOT / "specs" / "causal.attn"], ["t4"], tmp_path / "o", progress=False)
