@@ -29,6 +29,8 @@ def format_spec(spec: Spec) -> str:
     if spec.kv_layout.value != "contiguous":  # likewise
         lines.append(f"    kv_layout = {spec.kv_layout.value}")
         lines.append(f"    page_size = {spec.page_size}")
+    if spec.kv_dtype is not None:  # likewise
+        lines.append(f"    kv_dtype = {spec.kv_dtype.value}")
     for key in ("block_m", "block_n", "num_warps", "num_stages"):
         val = "auto" if key in spec.tune else getattr(spec, key)
         if val is not None:

@@ -29,6 +29,7 @@ SETTINGS = (
     "deterministic",
     "kv_layout",
     "page_size",
+    "kv_dtype",
     "block_m",
     "block_n",
     "num_warps",
@@ -229,6 +230,11 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
         if values.get("kv_layout") is not KVLayout.PAGED:
             raise SpecError("page_size goes with kv_layout = paged (the keys and values in pages of a cache)", seen["page_size"].key_span)
         values["page_size"] = _int_setting(seen["page_size"], 16, 256, power_of_two=True)
+    if "kv_dtype" in seen:
+        values["kv_dtype"] = DType(_choice(seen["kv_dtype"], ("fp8",)))
+        if values.get("dtype", DType.BF16) not in (DType.BF16, DType.FP16):
+            raise SpecError(f"kv_dtype = fp8 (e4m3 key/value caches) goes with dtype = bf16 or fp16 (the queries and the output); "
+                            f"got dtype = {values['dtype'].value}", seen["kv_dtype"].key_span)
     tune = set()
     for key, lo, hi, pow2 in (("block_m", 16, 256, True), ("block_n", 16, 256, True), ("num_warps", 1, 16, True), ("num_stages", 1, 8, False)):
         if key in seen:
@@ -259,13 +265,16 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
             sp = _expression(s, scope, Type.BOOL)
             values["sparsity"] = None if sp == Const(True, Type.BOOL) else sp
 
-    if values.get("kv_layout") is KVLayout.PAGED:  # a serving layout: the decode kernels, forward only
-        for key, bad, why in (("dropout", values.get("dropout", 0.0) > 0.0, "a paged cache is read by the forward only (serving)"),
-                              ("sparsity", values.get("sparsity") == "runtime", "runtime block masks are not read through a block table"),
-                              ("loop_order", values.get("loop_order") is LoopOrder.KV_OUTER, "a paged cache is read by the decode kernels, which "
+    serving = [f"{k} = {v}" for k, v, on in (("kv_layout", "paged", values.get("kv_layout") is KVLayout.PAGED),
+                                             ("kv_dtype", "fp8", values.get("kv_dtype") is DType.FP8)) if on]
+    if serving:  # a serving cache: the decode kernels, forward only
+        what = serving[0]
+        for key, bad, why in (("dropout", values.get("dropout", 0.0) > 0.0, "its caches are read by the forward only (serving)"),
+                              ("sparsity", values.get("sparsity") == "runtime", "runtime block masks are not read by the decode kernels"),
+                              ("loop_order", values.get("loop_order") is LoopOrder.KV_OUTER, "its caches are read by the decode kernels, which "
                                                                                                   "split the keys themselves")):
             if bad:
-                raise SpecError(f"{key} cannot go with kv_layout = paged: {why}", seen[key].key_span)
+                raise SpecError(f"{key} cannot go with {what}: {why}", seen[key].key_span)
     return Spec(name=parsed.name, inputs=tuple(inputs.values()), text=text, filename=filename, **values)
 
 

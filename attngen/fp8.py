@@ -106,6 +106,32 @@ def descale_blocks(name: str, descale, batch: int, heads: int, kv_heads: int, le
     raise InputError(f"{name} has shape {shape}; expected one of: {listing}")
 
 
+def cache_scales(name: str, scale, batch: int, kv_heads: int, device) -> torch.Tensor:
+    """The descale factor of an FP8 key/value cache (a `kv_dtype = fp8` spec) as the decode kernels read it, (B, Hkv)
+    float32: given per tensor (1,), per key/value head (Hkv,) or per (sequence, key/value head) (B, Hkv); None is 1."""
+    if scale is None:
+        return torch.ones((batch, kv_heads), device=device)
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise InputError(f"{name} must be a float32 tensor, got {scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    want = torch.device(device)
+    if scale.device.type != want.type or (want.index is not None and scale.device != want):
+        raise InputError(f"{name} is on {scale.device}, q on {device}")
+    shape = tuple(scale.shape)
+    if shape in ((), (1,)):
+        return scale.reshape(1, 1).expand(batch, kv_heads).contiguous()
+    if shape == (kv_heads,):
+        return scale[None, :].expand(batch, kv_heads).contiguous()
+    if shape == (batch, kv_heads):
+        return scale.contiguous()
+    raise InputError(f"{name} has shape {shape}; expected per tensor (1,), per key/value head ({kv_heads},) or per (sequence, key/value head) "
+                     f"({batch}, {kv_heads})")
+
+
+def to_cache(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x as e4m3 cache entries for descale factors `scale` (broadcast against x): x / scale, saturated at +-448."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
 def dequantize(x: torch.Tensor, descale: torch.Tensor, per_block: bool = True) -> torch.Tensor:
     """x (e4m3, (B, H, N, D)) as float32 values, with descale in descale_blocks' layout ((B, H, blocks) per block;
     (B, Hkv) for V, Hkv = H)."""

@@ -84,7 +84,7 @@ def check_values(kv_lens: torch.Tensor, capacity: int, block_table: torch.Tensor
 
 
 def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_lens: torch.Tensor,
-           block_table: torch.Tensor | None = None) -> torch.Tensor:
+           block_table: torch.Tensor | None = None, k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None) -> torch.Tensor:
     """Writes T new keys and values per sequence, k_new and v_new of shape (B, Hkv, T, D) (attngen's layout),
     into the cache at each sequence's positions kv_lens[b] .. kv_lens[b] + T - 1, and returns the new lengths
     (kv_lens + T, a new tensor; kv_lens is not changed).
@@ -92,7 +92,11 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
     Paged (block_table given): k_cache, v_cache are (num_pages, page_size, Hkv, D); the pages those positions
     fall in must already be in the sequence's row of the block table. Contiguous: (B, Hkv, capacity, D).
     The lengths and pages are checked against the cache first (a host synchronization), except while a CUDA
-    graph is captured."""
+    graph is captured.
+
+    FP8 caches (e4m3, a `kv_dtype = fp8` spec): the new values are written as value / descale, saturated at +-448,
+    with the caches' descale factors k_descale, v_descale (float32, (1,), (Hkv,) or (B, Hkv); default 1): the
+    factors the calls then pass."""
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise InputError(f"{name} must be a 4-D tensor (batch, kv_heads, new tokens, head_dim)")
@@ -100,6 +104,13 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
         raise InputError(f"k_new and v_new must have the same shape, got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
     batch, heads, tokens, dim = k_new.shape
     check_lengths("kv_lens", kv_lens, batch, k_new.device)
+    if k_cache.dtype == torch.float8_e4m3fn and isinstance(k_cache, torch.Tensor) and k_new.dtype != k_cache.dtype:
+        from .fp8 import cache_scales, to_cache
+
+        k_new, v_new = (to_cache(x, cache_scales(name, s, batch, heads, x.device)[:, :, None, None])
+                        for name, x, s in (("k_descale", k_new, k_descale), ("v_descale", v_new, v_descale)))
+    elif k_descale is not None or v_descale is not None:
+        raise InputError("k_descale and v_descale go with FP8 (e4m3) caches")
     pos = kv_lens.to(torch.int64)[:, None] + torch.arange(tokens, device=kv_lens.device)  # (B, T): where the new tokens go
     if block_table is None:
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -111,8 +122,8 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
         capacity = k_cache.shape[2]
         check_values(kv_lens, capacity, extra=tokens)
         index = pos[:, None, :, None].expand(batch, heads, tokens, dim)
-        k_cache.scatter_(2, index, k_new)
-        v_cache.scatter_(2, index, v_new)
+        _bytes(k_cache).scatter_(2, index, _bytes(k_new))
+        _bytes(v_cache).scatter_(2, index, _bytes(v_new))
     else:
         _append_paged(k_cache, v_cache, k_new, v_new, kv_lens, block_table, pos)
     return kv_lens + tokens
@@ -132,8 +143,13 @@ def _append_paged(k_cache, v_cache, k_new, v_new, kv_lens, block_table, pos) -> 
     check_values(kv_lens, block_table.shape[1] * page_size, block_table, k_cache.shape[0], page_size, extra=tokens)
     pages = block_table.to(torch.int64).gather(1, pos // page_size)  # (B, T)
     slots = pos % page_size
-    k_cache[pages, slots] = k_new.transpose(1, 2)  # (B, T, Hkv, D) into (pages, slots) of (num_pages, page_size, Hkv, D)
-    v_cache[pages, slots] = v_new.transpose(1, 2)
+    _bytes(k_cache)[pages, slots] = _bytes(k_new).transpose(1, 2)  # (B, T, Hkv, D) into (pages, slots) of (num_pages, page_size, Hkv, D)
+    _bytes(v_cache)[pages, slots] = _bytes(v_new).transpose(1, 2)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as its bytes (torch's scatter and indexed writes have no e4m3 kernels); others as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def gather(cache: torch.Tensor, block_table: torch.Tensor, length: int | None = None) -> torch.Tensor:

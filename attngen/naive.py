@@ -136,7 +136,15 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     FP8 kernels do before P V (relative to each row's maximum): the naive model of their error.
     """
     dtype = dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
-    if q.dtype == torch.float8_e4m3fn or k.dtype == torch.float8_e4m3fn or v.dtype == torch.float8_e4m3fn:
+    if k.dtype == torch.float8_e4m3fn and q.dtype != torch.float8_e4m3fn:  # FP8 key/value caches (kv_dtype = fp8)
+        from . import fp8
+        from .kvcache import gather
+
+        if block_table is not None:
+            k, v, block_table = gather(k, block_table), gather(v, block_table), None
+        k, v = (x.float() * fp8.cache_scales(name, s, q.shape[0], x.shape[1], q.device)[:, :, None, None]
+                for name, x, s in (("k_descale", k, k_descale), ("v_descale", v, v_descale)))
+    elif q.dtype == torch.float8_e4m3fn or k.dtype == torch.float8_e4m3fn or v.dtype == torch.float8_e4m3fn:
         from . import fp8
 
         B, Hq, Nq, _ = q.shape

@@ -425,6 +425,13 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     steps.append(Step("decode tiles", f"BLOCK_N = {'128 (pages under 128 tokens: a tile gathers several)' if paged else '64'} (32 above d_pad 128); "
                                       f"num_stages = min({2 if paged else 4}, (smem - Q {dec_q}) // (K+V stage {dec_stage})); measured",
                       f"BLOCK_N={dec_bn}, num_stages={dec_stages}, 4 warps"))
+    dec_warps = 4
+    if spec.kv_dtype is DType.FP8 and dp <= 128 and spec.sparsity is None:
+        # FP8 caches on the H100 (BENCHMARKS.md, 2026-11-26 session 9; B=8, 32/8 heads, d=128, one token, 8k-32k keys): the
+        # bf16 cache's tiles read them at half the rate (each element widened to bf16 costs what its byte saved); 8 warps
+        # and longer tiles: contiguous 256 keys, 3 stages (269 against 360 us at 32k); paged 128 keys, 3 stages (391 against 438)
+        dec_bn, dec_stages, dec_warps = (128 if paged else 256), 3, 8
+        steps.append(Step("decode tiles, FP8 cache", "measured: 8 warps, 3 stages, longer key tiles", f"BLOCK_N={dec_bn}, num_stages=3, 8 warps"))
 
     # Tile loads stay pointer loads. The templates can read Q, K, V and dO through tensor descriptors (Hopper's
     # copy engine, KernelPlan.tma), but on the H100 with Triton 3.6 that was 1-12% slower on every planned
@@ -462,4 +469,5 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         read_grads=read_grads(spec),
         decode_block_n=dec_bn,
         decode_num_stages=dec_stages,
+        decode_num_warps=dec_warps,
     )

@@ -118,9 +118,11 @@ class Kernel:
                 raise InputError(f"{name} must be 4-D (batch, heads, tokens, head_dim), got shape {tuple(t.shape)}")
             if t.shape[-1] != spec.head_dim:
                 raise InputError(f"{name} has head_dim {t.shape[-1]}, the spec says {spec.head_dim}")
-            want = TORCH_DTYPES[spec.dtype.value]
+            setting = spec.kv_dtype if name != "q" and spec.kv_dtype is not None else spec.dtype
+            want = TORCH_DTYPES[setting.value]
             if t.dtype != want:
-                raise InputError(f"{name} is {t.dtype}, the spec {spec.name!r} says dtype = {spec.dtype.value} ({want})")
+                key = "dtype" if setting is spec.dtype else "kv_dtype"
+                raise InputError(f"{name} is {t.dtype}, the spec {spec.name!r} says {key} = {setting.value} ({want})")
             if t.device != q.device:
                 raise InputError(f"q, k, v must be on one device; {name} is on {t.device}, q on {q.device}")
         B, Hq, Nq, _ = q.shape
@@ -210,14 +212,15 @@ class Kernel:
         Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of custom
         ops (forward, backward) named after the kernel, so a compiled model calls it with no graph break."""
         compiling = torch.compiler.is_compiling()
-        if self.spec.dtype is DType.FP8 or q_descale is not None or k_descale is not None or v_descale is not None:
+        if self.spec.dtype is DType.FP8 or (self.spec.kv_dtype is None and (q_descale is not None or k_descale is not None or v_descale is not None)):
             o, lse2 = self._fp8_call(q, k, v, inputs, (q_descale, k_descale, v_descale), dropout_p, seed, block_mask, compiling,
                                      any(t is not None for t in (kv_lens, q_lens, block_table, cu_seqlens_q, cu_seqlens_k)))
             return (o, lse2 * LN2) if return_lse else o
         varlen = None
-        if kv_lens is not None or q_lens is not None or block_table is not None or self.spec.kv_layout is KVLayout.PAGED:
+        if (kv_lens is not None or q_lens is not None or block_table is not None or self.spec.kv_layout is KVLayout.PAGED
+                or self.spec.kv_dtype is not None):
             o, lse2 = self._serving_call(q, k, v, inputs, kv_lens, q_lens, block_table, dropout_p, block_mask,
-                                         cu_seqlens_q is not None or cu_seqlens_k is not None, compiling)
+                                         cu_seqlens_q is not None or cu_seqlens_k is not None, compiling, (q_descale, k_descale, v_descale))
             return (o, lse2 * LN2) if return_lse else o
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             q, k, v, varlen = self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, compiling)
@@ -271,10 +274,19 @@ class Kernel:
                                                        ("v_descale", descales[2], dims.kv_heads, dims.kv_len, False))]
         return self._forward_impl(q, k, v, tensors, p, seed_t, block_mask, descales=tuple(blocks))
 
-    def _serving_call(self, q, k, v, inputs: dict, kv_lens, q_lens, block_table, dropout_p, block_mask, packed: bool, compiling: bool):
-        """A call with per-sequence lengths or a paged cache: checked, then the decode kernels (forward only)."""
+    def _serving_call(self, q, k, v, inputs: dict, kv_lens, q_lens, block_table, dropout_p, block_mask, packed: bool, compiling: bool,
+                      descales: tuple = (None, None, None)):
+        """A call with per-sequence lengths, a paged cache or an FP8 cache (kv_dtype = fp8, with the caches'
+        descale factors k_descale, v_descale): checked, then the decode kernels (forward only)."""
         spec = self.spec
         paged = spec.kv_layout is KVLayout.PAGED
+        if spec.kv_dtype is DType.FP8:
+            if descales[0] is not None:
+                raise InputError(f"q_descale: the spec {spec.name!r} has kv_dtype = fp8, whose queries are {spec.dtype.value}, not quantized; "
+                                 f"pass the caches' k_descale and v_descale")
+            if compiling:
+                raise InputError("FP8 key/value caches are not supported under torch.compile yet; call the kernel from a function marked "
+                                 "@torch.compiler.disable")
         if packed:
             raise InputError("kv_lens, q_lens and block_table do not go with packed sequences (cu_seqlens)")
         if spec.sparsity == "runtime" or block_mask is not None:
@@ -303,7 +315,10 @@ class Kernel:
         if compiling:  # one custom op; the values are not read while tracing (the kernels clamp lengths and pages)
             return self._ops().decode(q, k, v, tensors, kv_lens, q_lens, block_table)
         _check_serving_values(kv_lens, q_lens, block_table, dims, k.shape[0] if paged else 0, spec.page_size if paged else 0)
-        return self._decode_impl(q, k, v, tensors, kv_lens, q_lens, block_table, dims)
+        kv_scales = None
+        if spec.kv_dtype is DType.FP8:
+            kv_scales = tuple(fp8.cache_scales(name, s, dims.batch, dims.kv_heads, q.device) for name, s in (("k_descale", descales[1]), ("v_descale", descales[2])))
+        return self._decode_impl(q, k, v, tensors, kv_lens, q_lens, block_table, dims, kv_scales)
 
     def _checked_serving_call(self, q, k, v, inputs: dict, kv_lens, q_lens, block_table) -> tuple[_Dims, list[torch.Tensor]]:
         """_serving_call's checks of the tensors' shapes, types and devices."""
@@ -337,13 +352,14 @@ class Kernel:
             return _Dims(q.shape[0], q.shape[1], k.shape[2], q.shape[2], block_table.shape[1] * k.shape[1])
         return _Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
-    def _decode_impl(self, q, k, v, inputs, kv_lens, q_lens, block_table, dims: _Dims):
-        """O and the lse in log2 units by the decode kernels (attngen/decode.py); the tensors are checked."""
+    def _decode_impl(self, q, k, v, inputs, kv_lens, q_lens, block_table, dims: _Dims, kv_scales=None):
+        """O and the lse in log2 units by the decode kernels (attngen/decode.py); the tensors are checked.
+        kv_scales: an FP8 cache's (k's, v's) descale factors, (B, Hkv) float32 each."""
         check_device(q.device, self.module)
         if dims.batch == 0 or dims.q_len == 0 or dims.heads == 0:
             return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
-            o, lse = self._twin()._decode_impl(*_up(q, k, v), _up(*inputs), kv_lens, q_lens, block_table, dims)
+            o, lse = self._twin()._decode_impl(*_up(q, k, v), _up(*inputs), kv_lens, q_lens, block_table, dims, kv_scales)
             return o.to(torch.bfloat16), lse
         shape = self._decode_shapes.get(dims)
         if shape is None:
@@ -351,8 +367,9 @@ class Kernel:
                 self._decode_shapes.clear()
             shape = self._decode_shapes[dims] = decode_shape(self.plan, dims.batch, dims.heads, dims.kv_heads, dims.q_len, dims.kv_len)
         with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+            scales = {} if kv_scales is None else {"kv_scales": kv_scales}
             return self.module.attention_decode(q, k, v, *inputs, kv_lens=kv_lens, q_lens=q_lens, block_table=block_table,
-                                                block_r=shape.block_r, num_splits=shape.splits)
+                                                block_r=shape.block_r, num_splits=shape.splits, **scales)
 
     def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, compiling: bool):
         """Packed sequences: q, k, v as (1, H, total rows, D) views, and (cu_q, cu_k, max_q, max_k), checked. The

@@ -160,6 +160,9 @@ class Spec:
     deterministic: bool = True
     kv_layout: KVLayout = KVLayout.CONTIGUOUS
     page_size: int = 16  # tokens per page of a paged cache (kv_layout = paged)
+    # the key/value caches' element type where it differs from `dtype` (FP8: e4m3 caches with float32 descale factors;
+    # every call runs the decode kernels, forward only); None: `dtype`
+    kv_dtype: DType | None = None
     # Tiles and launch options of the forward kernel: an int fixes the value; None derives it from the target
     # (attngen/plan.py). A key in `tune` was written `auto`: measured per shape on the GPU (attngen/tune.py).
     block_m: int | None = None

@@ -12,6 +12,7 @@
 3. Speed: the FP8 forward against attngen's bf16 forward (its default generator, and the Triton generator's),
    B * N = 16384, H * d = 2048, dense and causal; tiles swept around the plan; the V transpose's cost alone
    (the module's keys_contiguous, part of every FP8 call; torch's transpose for comparison).
+4. Decoding from FP8 key/value caches (kv_dtype = fp8) against bf16 caches, contiguous and paged, CUDA graphs.
 """
 import argparse
 import dataclasses
@@ -143,9 +144,80 @@ def speed(quick=False):
     return rows
 
 
+def decode(quick=False):
+    """FP8 key/value caches (kv_dtype = fp8) against bf16 ones: one new token, B = 8, 32 query heads over 8 key/value
+    heads, d = 128, contiguous and paged (16-token pages), CUDA-graph replays; the error against float64 attention
+    of the unquantized values."""
+    from triton.testing import do_bench
+
+    from attngen import kvcache
+    from attngen.bench_decode import _graph
+
+    rows = []
+    for layout in ("contiguous", "paged"):
+        extra = " kv_layout = paged page_size = 16" if layout == "paged" else ""
+        bf = attngen.compile(f"attention dec {{ head_dim = 128 dtype = bf16{extra} }}")
+        f8 = attngen.compile(f"attention dec8 {{ head_dim = 128 dtype = bf16 kv_dtype = fp8{extra} }}")
+        for n in ((8192,) if quick else (8192, 32768)):
+            b, hq, hkv = 8, 32, 8
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(b, hq, 1, 128, generator=gen, device="cuda").bfloat16()
+            k, v = (torch.randn(b, hkv, n, 128, generator=gen, device="cuda") for _ in range(2))
+            ks, vs = (x.abs().amax((0, 2, 3)).float() / 448 for x in (k, v))
+            lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+            zero = torch.zeros(b, dtype=torch.int32, device="cuda")
+            caches = {}
+            for name, dt in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+                scales = {"k_descale": ks, "v_descale": vs} if dt != torch.bfloat16 else {}
+                if layout == "paged":
+                    pages = n // 16
+                    kc = torch.zeros(b * pages, 16, hkv, 128, device="cuda", dtype=dt)
+                    vc = torch.zeros_like(kc)
+                    table = {"block_table": torch.arange(b * pages, dtype=torch.int32, device="cuda").view(b, pages)}
+                else:
+                    kc = torch.zeros(b, hkv, n, 128, device="cuda", dtype=dt)
+                    vc = torch.zeros_like(kc)
+                    table = {}
+                src_k, src_v = (k, v) if scales else (k.bfloat16(), v.bfloat16())
+                kvcache.append(kc, vc, src_k, src_v, zero, table.get("block_table"), **scales)
+                caches[name] = (kc, vc, table, scales)
+            row = {"layout": layout, "keys": n, "batch": b}
+            exact = attngen.reference(bf, q.double(), k.double(), v.double(), kv_lens=lens, dtype=torch.float64)
+            with torch.no_grad():
+                for name, kern in (("bf16", bf), ("fp8", f8)):
+                    kc, vc, table, scales = caches[name]
+                    out = kern(q, kc, vc, kv_lens=lens, **table, **scales)
+                    row[f"{name}_err"] = (out.double() - exact).abs().max().item()
+                    graph = _graph(lambda: kern(q, kc, vc, kv_lens=lens, **table, **scales))
+                    row[f"{name}_us"] = do_bench(graph.replay) * 1000
+                    row[f"{name}_gbs"] = 2 * kc.numel() * kc.element_size() / (row[f"{name}_us"] * 1e-6) / 1e9
+            row["speedup"] = row["bf16_us"] / row["fp8_us"]
+            # the FP8 cache's decode tiles around the plan's (those were measured for bf16 caches)
+            from attngen.decode import decode_shape
+
+            shape = decode_shape(f8.plan, b, hq, hkv, 1, n)
+            kc, vc, table, scales = caches["fp8"]
+            kv_scales = tuple(x[None, :].expand(b, hkv).contiguous() for x in (ks, vs))
+            sweep = {}
+            with torch.no_grad():
+                for bn, st, w in ((64, 4, 4), (128, 2, 4), (128, 3, 4), (128, 4, 4), (128, 3, 8), (256, 2, 4), (256, 2, 8), (256, 3, 8)):
+                    tiles = dict(f8.plan.tiles())
+                    tiles["decode"] = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                    try:
+                        sweep[f"{bn} s{st} w{w}"] = do_bench(lambda: f8.module.attention_decode(
+                            q, kc, vc, kv_lens=lens, block_r=shape.block_r, num_splits=shape.splits, tiles=tiles, kv_scales=kv_scales, **table)) * 1000
+                    except Exception as e:
+                        sweep[f"{bn} s{st} w{w}"] = repr(e)[:100]
+            row["fp8_sweep_us"] = sweep
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="only part 4")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/fp8.json")
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
@@ -154,18 +226,23 @@ def main():
              ("alibi d64", spec_text("q_idx >= kv_idx", 64, "score - slopes[h] * (q_idx - kv_idx)", " input slopes: fp32[H]\n")),
              ("alibi d128", spec_text("q_idx >= kv_idx", 128, "score - slopes[h] * (q_idx - kv_idx)", " input slopes: fp32[H]\n"))]
     # d = 128: both generators (the Gluon FP8 forward is written for 128); d = 64: the Triton generator's
-    results["check"] = [check(name, text, backend=backend) for name, text in cases
+    results["check"] = [] if args.decode_only else [check(name, text, backend=backend) for name, text in cases
                         for backend in (("gluon", "triton") if "d128" in name else (None,))]
     for r in results["check"]:
         print(json.dumps(r), flush=True)
-    results["outliers"] = outliers()
+    results["outliers"] = {} if args.decode_only else outliers()
     print(json.dumps(results["outliers"]), flush=True)
-    results["speed"] = speed(args.quick)
+    results["speed"] = [] if args.decode_only else speed(args.quick)
+    results["decode"] = decode(args.quick)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print("\n== summary ==")
     for r in results["check"]:
         print(f"check {r['spec']:<12} {r['generator']:<7} ok={r['ok']} err {r['err']:.2e} (naive fp8 {r['naive_err']:.2e}, bound {r['bound']:.2e}) lse {r['lse_err']:.1e}")
     print("outliers RMSE: " + ", ".join(f"{k} {v:.2e}" for k, v in results["outliers"].items()))
+    for r in results["decode"]:
+        print(f"decode {r['layout']:<10} N={r['keys']:<6} bf16 cache {r['bf16_us']:.0f} us ({r['bf16_gbs']:.0f} GB/s, err {r['bf16_err']:.1e}), "
+              f"fp8 cache {r['fp8_us']:.0f} us ({r['fp8_gbs']:.0f} GB/s, err {r['fp8_err']:.1e}): {r['speedup']:.2f}x; fp8 tiles (eager) "
+              + ", ".join(f"{c} {t:.0f}" if isinstance(t, float) else f"{c} fail" for c, t in r["fp8_sweep_us"].items()))
     for r in results["speed"]:
         print(f"{'causal' if r['causal'] else 'dense '} N={r['n']:<6} bf16 ({r['bf16_generator']}) {r['bf16_tflops']:.0f} TFLOP/s, bf16 triton {r['bf16_triton_tflops']:.0f}, "
               f"fp8 ({r['fp8_generator']}) {r['fp8_tflops']:.0f} ({r['fp8_tflops'] / r['bf16_tflops']:.2f}x), fp8 triton {r['fp8_triton_tflops']:.0f}, best fp8 triton tiles {r['fp8_best']['config']} {r['fp8_best']['tflops']:.0f} "

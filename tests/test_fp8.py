@@ -197,3 +197,70 @@ def test_the_gluon_fp8_forward_compiles_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     (r,) = [json.loads(line) for line in run.stdout.splitlines()]
     assert r["kernel"] == "_attn_fwd" and r["wgmma"] and r["tma"] and {"24", "240"} <= set(r["setmaxnreg"]) and r["spill_bytes"] == 0, r
+
+
+# FP8 key/value caches (kv_dtype = fp8): bf16 queries, e4m3 caches with float32 descale factors, the decode kernels
+KV_FP8 = "attention dec8 {{ head_dim = 64 dtype = bf16 kv_dtype = fp8 mask = kv_idx <= q_idx + kv_len - q_len {extra} }}"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("scales", ["head", "tensor", "sequence"])
+def test_decoding_from_fp8_caches(layout, scales):
+    """Tokens appended to e4m3 caches (kvcache.append with the caches' descale factors), then decoded (two new
+    tokens, sequences of different lengths, grouped-query heads): O within bf16's rounding of float64 attention of
+    the dequantized caches, and within FP8's error of the unquantized values."""
+    from attngen import kvcache
+
+    kern = attngen.compile(KV_FP8.format(extra="kv_layout = paged page_size = 16" if layout == "paged" else ""), "h100")
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(B, HQ, 2, D, generator=gen).bfloat16()
+    k, v = (torch.randn(B, HKV, N, D, generator=gen) for _ in range(2))
+    amax = {"head": lambda x: x.abs().amax((0, 2, 3)), "tensor": lambda x: x.abs().amax().reshape(1),
+            "sequence": lambda x: x.abs().amax((2, 3))}[scales]
+    ks, vs = (amax(x).float() / 448 for x in (k, v))
+    lens = torch.tensor([N, 170], dtype=torch.int32)
+    if layout == "paged":
+        pages = 20
+        kc = torch.zeros(B * pages, 16, HKV, D, dtype=torch.float8_e4m3fn)
+        table = {"block_table": torch.arange(B * pages, dtype=torch.int32).flip(0).view(B, pages)}  # pages out of order
+    else:
+        kc = torch.zeros(B, HKV, 320, D, dtype=torch.float8_e4m3fn)
+        table = {}
+    vc = torch.zeros_like(kc)
+    new_lens = kvcache.append(kc, vc, k, v, torch.zeros(B, dtype=torch.int32), table.get("block_table"), k_descale=ks, v_descale=vs)
+    assert new_lens.tolist() == [N, N]
+    with torch.no_grad():
+        o, lse = kern(q, kc, vc, kv_lens=lens, k_descale=ks, v_descale=vs, return_lse=True, **table)
+    assert o.dtype == torch.bfloat16 and not torch.isnan(o).any()
+    ref, ref_lse = attngen.reference(kern, q.double(), kc, vc, kv_lens=lens, k_descale=ks, v_descale=vs, return_lse=True, **table)
+    assert (o.double() - ref).abs().max() <= 2**-7 * ref.abs().max() + 1e-6
+    assert (lse.double() - ref_lse).abs().max() <= 1e-4
+    exact = attngen.reference(kern, q.double(), k.double(), v.double(), kv_lens=lens)
+    rms = lambda x: x.pow(2).mean().sqrt()
+    assert rms(o.double() - exact) < 0.05 * rms(exact)  # e4m3 caches: a few % (3 mantissa bits)
+
+
+def test_what_an_fp8_cache_call_refuses():
+    from attngen import kvcache
+    from attngen.errors import SpecError
+
+    kern = attngen.compile(KV_FP8.format(extra=""), "h100")
+    q = torch.randn(1, HQ, 1, D).bfloat16()
+    kc = torch.zeros(1, HKV, 32, D, dtype=torch.float8_e4m3fn)
+    with pytest.raises(InputError, match="q_descale: the spec 'dec8' has kv_dtype = fp8"):
+        kern(q, kc, kc, q_descale=torch.ones(1))
+    with pytest.raises(InputError, match="k is torch.bfloat16, the spec 'dec8' says kv_dtype = fp8"):
+        kern(q, kc.bfloat16(), kc.bfloat16())
+    with pytest.raises(InputError, match="k_descale has shape"):
+        kern(q, kc, kc, k_descale=torch.ones(3, 3))
+    with pytest.raises(InputError, match="k_descale and v_descale go with FP8"):
+        kvcache.append(kc.bfloat16(), kc.bfloat16(), q[:, :HKV].float().bfloat16(), q[:, :HKV].bfloat16(), torch.zeros(1, dtype=torch.int32),
+                       k_descale=torch.ones(1))
+    with pytest.raises(SpecError, match="kv_dtype = fp8 .* goes with dtype = bf16 or fp16"):
+        load_spec("attention x { head_dim = 64 dtype = fp32 kv_dtype = fp8 }")
+    with pytest.raises(SpecError, match="dropout cannot go with kv_dtype = fp8"):
+        load_spec("attention x { head_dim = 64 dtype = bf16 kv_dtype = fp8 dropout = 0.1 }")
+    spec = load_spec("attention x { head_dim = 128 dtype = bf16 kv_dtype = fp8 }")
+    choice = choose(spec, plan(spec, "h100"))
+    assert choice.generator == "triton" and "kv_dtype = fp8" in choice.reason
+    assert plan(spec, "h100").tiles()["decode"] == {"BLOCK_N": 256, "num_warps": 8, "num_stages": 3}

@@ -99,6 +99,8 @@ def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
         why.append("runtime block sparsity: the block lists are not ported to Gluon yet")
     if spec.kv_layout is KVLayout.PAGED:
         why.append("kv_layout = paged: a paged cache is read by the decode kernels, which are the Triton generator's")
+    if spec.kv_dtype is DType.FP8:
+        why.append("kv_dtype = fp8: FP8 caches are read by the decode kernels, which are the Triton generator's")
     if spec.loop_order is LoopOrder.KV_OUTER:
         why.append("loop_order = kv_outer is a schedule of the Triton generator")
     fixed = [k for k in ("block_m", "block_n", "num_warps", "num_stages") if getattr(spec, k) is not None or k in spec.tune]

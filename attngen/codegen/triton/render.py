@@ -59,6 +59,8 @@ def context(plan: KernelPlan) -> dict:
         "guard_rows": plan.may_mask_rows,
         "positions": plan.global_positions,
         "fp8": plan.dtype is DType.FP8,
+        "kv_fp8": spec.kv_dtype is DType.FP8,
+        "kv_up": ".to(q.dtype)" if spec.kv_dtype is DType.FP8 else "",  # FP8 caches: read as e4m3, widened for the products
         # what a shard's kernels add to the row and key indices to make them positions in the whole sequence
         "q_pos": " + q_offset" if plan.global_positions else "",
         "kv_pos": " + kv_offset" if plan.global_positions else "",
