@@ -419,8 +419,9 @@ class Kernel:
         if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
             return q.new_zeros(q.shape, dtype=out_dtype), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         if descales is not None and q.device.type == "cpu":
-            # Triton's interpreter rounds float32 to e4m3 unlike the GPU (measured: up to 2 ulps apart): on the CPU an
-            # FP8 call runs the float32 kernels on the dequantized inputs (P unrounded), its O rounded to bf16
+            # Triton 3.6's interpreter rounds float32 to e4m3 wrongly where rounding carries into the exponent (0.4917
+            # becomes 0.25): on the CPU an FP8 call runs the float32 kernels on the dequantized inputs (P unrounded),
+            # its O rounded to bf16
             deq = (fp8.dequantize(q, descales[0]), fp8.dequantize(k, descales[1]), fp8.dequantize(v, descales[2], per_block=False))
             o, lse = self._twin()._forward_impl(*deq, _up(*inputs), dropout_p, seed, block_mask)
             return o.to(torch.bfloat16), lse
@@ -492,18 +493,19 @@ class Kernel:
         return self._cpu_twin
 
     def _shard_kernel(self) -> Kernel:
-        """This spec's kernels for one shard of a context-parallel attention (attngen/distributed): the Triton
-        generator's forward and backward with global positions (KernelPlan.global_positions), q_outer. Built on
-        first use (just in time, also for a kernel loaded from a bundle)."""
+        """This spec's kernels for one shard of a context-parallel attention (attngen/distributed): its forward and
+        backward with global positions (KernelPlan.global_positions), by the same generators as this kernel's
+        (_positions_twin). Built on first use (just in time, also for a kernel loaded from a bundle)."""
         if self._shard_twin is None:
             self._shard_twin = _positions_twin(self)
         return self._shard_twin
 
     def _shard_forward(self, q, k, v, inputs, dropout_p: float, seed: int | None, positions: tuple[int, int, int, int]):
-        """O (float32; q's element type from the Gluon forward) and the lse (log2 units) of q's rows attending to k's and v's keys only, where q's first row
-        and k's first key are at positions[0] and positions[1] of a sequence of positions[2] queries and
-        positions[3] keys, which the expressions see (attngen/distributed merges these partial results). The
-        tensors are checked by the caller."""
+        """O and the lse (log2 units) of q's rows attending to k's and v's keys only, where q's first row and k's
+        first key are at positions[0] and positions[1] of a sequence of positions[2] queries and positions[3] keys,
+        which the expressions see (attngen/distributed merges these partial results). O is float32 from the
+        Triton generator, q's element type from the Gluon one (it stores O through Q's tile). The tensors are
+        checked by the caller."""
         kern = self._shard_kernel()
         check_device(q.device, kern.module)
         extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
@@ -519,8 +521,9 @@ class Kernel:
             return kern.module.attention_forward(q, k, v, *inputs, **extra, positions=positions, out_dtype=torch.float32)
 
     def _shard_backward(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: int | None, positions: tuple[int, int, int, int]):
-        """(dQ, dK, dV) in float32 (dK, dV in k's element type from the Gluon backward) of one shard pair (as _shard_forward's): the contributions of q's rows and k's
-        keys to the whole attention's gradients, from its O and lse (log2 units) and dO, dlse (or None)."""
+        """(dQ, dK, dV) of one shard pair (as _shard_forward's): the contributions of q's rows and k's keys to the
+        whole attention's gradients, from its O and lse (log2 units) and dO, dlse (or None). float32, but dK and
+        dV in k's element type from the Gluon backward."""
         kern = self._shard_kernel()
         lse = lse.contiguous()  # the kernels index the lse (and dlse) as (B, H, rows) rows
         dlse = None if dlse is None else dlse.contiguous()
