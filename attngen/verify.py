@@ -22,7 +22,7 @@ import torch
 from .dtypes import TORCH_DTYPES
 from .expr import SCORE_VARS, Scope
 from .naive import evaluate, probabilities, reference, score_env
-from .spec import KVLayout
+from .spec import DType, KVLayout
 
 # (batch, query heads, key/value heads, q_len, kv_len): a single token, an odd length, GQA with
 # q_len != kv_len, MQA with short queries and long keys, and tile-aligned lengths.
@@ -87,8 +87,10 @@ def _floor(ref: torch.Tensor, terms: float = 0.0) -> float:
 
 def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool = True) -> Result:
     spec = kernel.spec
-    if spec.kv_layout is KVLayout.PAGED:
-        return _check_paged(kernel, shape, device, seed)
+    if spec.kv_layout is KVLayout.PAGED or spec.kv_dtype is DType.FP8:
+        return _check_serving(kernel, shape, device, seed)
+    if spec.dtype is DType.FP8:
+        return _check_fp8(kernel, shape, device, seed)
     dtype = TORCH_DTYPES[spec.dtype.value]
     B, Hq, Hkv, Nq, Nk = shape
     D = spec.head_dim
@@ -142,33 +144,74 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
     return res
 
 
-def _check_paged(kernel, shape: tuple, device: str, seed: int) -> Result:
-    """A paged spec (forward only): the keys of `shape` written into pages of a cache in a shuffled order (the
-    spare page and every slot no sequence owns hold NaN), per-sequence lengths from 0 to Nk (the last sequence
-    the whole Nk), O and the lse against the reference reading the same pages."""
+def _check_serving(kernel, shape: tuple, device: str, seed: int) -> Result:
+    """A serving spec (forward only: a paged cache, or FP8 caches): the keys of `shape` appended to the caches (a
+    paged one's pages in a shuffled order; the spare page and every slot no sequence owns hold NaN; FP8 caches with
+    per-head descale factors), per-sequence lengths from 0 to Nk (the last sequence the whole Nk), O and the lse
+    against the reference reading the same caches."""
     from .kvcache import append
 
     spec = kernel.spec
     dtype = TORCH_DTYPES[spec.dtype.value]
+    kv8 = spec.kv_dtype is DType.FP8
+    cache_dtype = TORCH_DTYPES[(spec.kv_dtype or spec.dtype).value]
     B, Hq, Hkv, Nq, Nk = shape
     D, P = spec.head_dim, spec.page_size
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, Nq, D, generator=gen).to(device=device, dtype=dtype)
-    k, v = (torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=torch.float32 if kv8 else dtype) for _ in range(2))
     lens = torch.randint(0, Nk + 1, (B,), generator=gen, dtype=torch.int32)
     lens[-1] = Nk
-    per_seq = -(-Nk // P)
-    table = torch.randperm(B * per_seq + 1, generator=gen)[:B * per_seq].view(B, per_seq).to(torch.int32).to(device)
-    k_cache = torch.full((B * per_seq + 1, P, Hkv, D), float("nan"), device=device, dtype=dtype)
+    scales = {"k_descale": k.abs().amax((0, 2, 3)).clamp(min=1e-6) / 448, "v_descale": v.abs().amax((0, 2, 3)).clamp(min=1e-6) / 448} if kv8 else {}
+    if spec.kv_layout is KVLayout.PAGED:
+        per_seq = -(-Nk // P)
+        table = {"block_table": torch.randperm(B * per_seq + 1, generator=gen)[:B * per_seq].view(B, per_seq).to(torch.int32).to(device)}
+        k_cache = torch.full((B * per_seq + 1, P, Hkv, D), float("nan"), device=device).to(cache_dtype)
+    else:
+        table = {}
+        k_cache = torch.full((B, Hkv, Nk, D), float("nan"), device=device).to(cache_dtype)
     v_cache = k_cache.clone()
     lens = lens.to(device)
-    append(k_cache, v_cache, k, v, torch.zeros_like(lens), table)  # every sequence's Nk keys; those past its length stay unread
+    # every sequence's Nk keys; those past its length stay unread
+    append(k_cache, v_cache, k, v, torch.zeros_like(lens), table.get("block_table"), **scales)
     inputs = make_inputs(spec, B, Hq, Nq, Nk, device, gen)
-    serving = {"block_table": table, "kv_lens": lens}
+    serving = {**table, "kv_lens": lens, **scales}
     with torch.no_grad():
         out, lse = kernel(q, k_cache, v_cache, return_lse=True, **serving, **inputs)
-    ref, ref_lse = reference(spec, q.double(), k_cache.double(), v_cache.double(), return_lse=True, dtype=torch.float64, **serving, **inputs)
+    wide = (k_cache, v_cache) if kv8 else (k_cache.double(), v_cache.double())  # FP8 caches: the reference dequantizes
+    ref, ref_lse = reference(spec, q.double(), *wide, return_lse=True, dtype=torch.float64, **serving, **inputs)
     naive = reference(spec, q, k_cache, v_cache, dtype=dtype, **serving, **inputs)
+    res = Result(shape, spec.dtype.value)
+    res.nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+    res.errors["out"] = _bound(out.cpu(), naive.cpu(), ref.cpu(), 2)
+    ref_lse = ref_lse.cpu()
+    finite = torch.isfinite(ref_lse)
+    peak = ref_lse[finite].abs().max().item() if finite.any() else 0.0
+    same = torch.equal(torch.isfinite(lse.cpu()), finite)
+    res.errors["lse"] = (_err(lse.cpu()[finite], ref_lse[finite]) if same else float("inf"), 0.0, LSE_RTOL * max(1.0, peak))
+    return res
+
+
+def _check_fp8(kernel, shape: tuple, device: str, seed: int) -> Result:
+    """A `dtype = fp8` spec (forward only): Q and K quantized per 128-token block with the Hadamard rotation, V per
+    head (attngen.fp8.quantize); O and the lse against float64 attention of the dequantized values. The naive model
+    of the kernels' error rounds P to e4m3 as they do and O to bf16."""
+    from . import fp8
+
+    spec = kernel.spec
+    B, Hq, Hkv, Nq, Nk = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, spec.head_dim, generator=gen).to(device)
+    k, v = (torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(device) for _ in range(2))
+    hadamard = spec.head_dim & (spec.head_dim - 1) == 0
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize(q, "block", hadamard), fp8.quantize(k, "block", hadamard), fp8.quantize(v, "head"))
+    scales = {"q_descale": qs, "k_descale": ks, "v_descale": vs}
+    inputs = make_inputs(spec, B, Hq, Nq, Nk, device, gen)
+    drop = {"dropout_p": spec.dropout, "seed": 1000 + seed} if spec.dropout > 0.0 else {}
+    with torch.no_grad():
+        out, lse = kernel(q8, k8, v8, return_lse=True, **scales, **drop, **inputs)
+    ref, ref_lse = reference(spec, q8, k8, v8, return_lse=True, dtype=torch.float64, **scales, **drop, **inputs)
+    naive = reference(spec, q8, k8, v8, dtype=torch.float64, fp8_p=True, **scales, **drop, **inputs).to(torch.bfloat16)
     res = Result(shape, spec.dtype.value)
     res.nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
     res.errors["out"] = _bound(out.cpu(), naive.cpu(), ref.cpu(), 2)

@@ -264,3 +264,14 @@ def test_what_an_fp8_cache_call_refuses():
     choice = choose(spec, plan(spec, "h100"))
     assert choice.generator == "triton" and "kv_dtype = fp8" in choice.reason
     assert plan(spec, "h100").tiles()["decode"] == {"BLOCK_N": 256, "num_warps": 8, "num_stages": 3}
+
+
+@pytest.mark.parametrize("text", [CAUSAL, KV_FP8.format(extra=""), KV_FP8.format(extra="kv_layout = paged page_size = 16")])
+def test_attngen_check_takes_fp8_specs(text):
+    """`attngen check` (attngen.verify) quantizes the inputs of an FP8 spec, or fills FP8 caches, and checks the
+    forward against float64 of the dequantized values; FP8 has no backward to check."""
+    from attngen import verify
+
+    kern = attngen.compile(text, "h100")
+    res = verify.check_one(kern, (2, 4, 2, 17, 33), "cpu")
+    assert res.ok and not res.nan and set(res.errors) == {"out", "lse"}, res.errors
