@@ -63,7 +63,9 @@ def check(name, text, n=2048, heads=8, kv_heads=2, backend=None):
     lse_err = (lse.double()[finite] - ref_lse[finite]).abs().max().item()
     return {"spec": name, "generator": kern.generator.generator, "n": n, "err": err, "naive_err": naive_err, "bound": bound, "lse_err": lse_err,
             "nan": bool(torch.isnan(o).any()),
-            "ok": err <= bound and lse_err <= 1e-4 * max(1.0, ref_lse[finite].abs().max().item()) and not torch.isnan(o).any()}
+            # the lse: FP8 products accumulate with fewer bits than float32 on Hopper (14, DeepSeek-V3's report measured on
+            # the H800), so the scores carry about 1e-4 relative error; 2e-3 of the largest |lse| bounds what that does
+            "ok": err <= bound and lse_err <= 2e-3 * max(1.0, ref_lse[finite].abs().max().item()) and not torch.isnan(o).any()}
 
 
 def outliers(n=4096, heads=8, d=128, seed=0):

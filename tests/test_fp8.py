@@ -176,6 +176,7 @@ def test_plan_and_generator_choice():
     assert choice.generator == "gluon" and "FP8 forward measured" in choice.reason and choice.backward == "triton"
     src = attngen.compile(CAUSAL, "h100").source
     assert "DESCALE_BLOCK = tl.constexpr(128)" in src and "k_descale = tl.load(k_descales + start_n // DESCALE_BLOCK)" in src
+    assert "s = qk * (qk_scale * k_descale)" in src  # one multiply per score
     assert "def keys_contiguous(" in src and "acc = acc * v_descale" in src
 
 
