@@ -18,7 +18,8 @@ with real (not interpreted) Triton kernels, puts a recorder in place of each ker
 own launchers (forward and backward; with and without dropout and input gradients where the spec has them)
 on small CPU tensors at three sequence lengths whose strides fall in different divisibility classes (256,
 200, 201), and its decode launcher with per-sequence lengths (programs of 16, 32 and 64 rows, the keys split
-and not; a paged spec's only launcher). A decode call without kv_lens, or with q_lens, is compiled just in time. Triton's own binder specializes each recorded launch for the target's backend, as the JIT does
+and not; a paged spec's only launcher). Packed sequences (cu_seqlens) are recorded once, where the spec takes them. A decode call without kv_lens, or with
+q_lens, is compiled just in time. Triton's own binder specializes each recorded launch for the target's backend, as the JIT does
 on the device; every distinct specialization is compiled with
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` (GluonASTSource for a Gluon kernel), in
 worker processes (a crash in LLVM cannot take the build down with it). The Gluon module's launchers are
@@ -63,11 +64,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .errors import AttngenError
-from .spec import DType, KVLayout
+from .spec import DType, KVLayout, LoopOrder
 
 FORMAT = "attngen-bundle/1"
 MANIFEST = "manifest.json"
 SHAPES = ((2, 4, 2, 256, 256), (2, 4, 2, 200, 200), (1, 2, 1, 201, 201))  # (B, Hq, Hkv, Nq, Nk); see the module doc
+# packed sequences (cu_seqlens): (query lengths, key lengths) per sequence, 4 query / 2 key-value heads; the totals
+# (201 and 256) fall in different divisibility classes
+PACKED = ((3, 70, 128), (4, 100, 152))
 # Decode calls with per-sequence lengths (attngen/decode.py): programs of 16, 32 and 64 rows (a key/value head's
 # query heads x the new tokens), with the keys split or not: (B, Hq, Hkv, Nq) over a cache of 256 keys
 DECODE_SHAPES = ((2, 8, 2, 1), (1, 8, 1, 4), (1, 8, 1, 8))
@@ -260,7 +264,40 @@ def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
                 for input_grads in ([False, True] if kernel_plan.read_grads else [False]) if not fp8 else ():
                     grads = {"input_grads": True} if input_grads else {}
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **grads, **extra)
+        for q, k, v, varlen, tensors, dims in _packed_calls(spec) if takes_packed(spec) else ():
+            for p, seed in ([(spec.dropout, 1), (spec.dropout, 2**40), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
+                extra = kern._extra(*kern._dropout_args(p, seed), None, dims, q.device)
+                o, lse = module.attention_forward(q, k, v, *tensors, **extra, varlen=varlen)
+                module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, varlen=varlen)
     return _unique(sink)
+
+
+def takes_packed(spec) -> bool:
+    """Whether calls with packed sequences (cu_seqlens) can run this spec's kernels (runtime.Kernel._varlen refuses
+    the rest)."""
+    return (spec.loop_order is LoopOrder.Q_OUTER and spec.sparsity != "runtime" and spec.kv_layout is KVLayout.CONTIGUOUS
+            and spec.dtype is not DType.FP8 and spec.kv_dtype is None)
+
+
+def _packed_calls(spec):
+    """(q, k, v as the runtime hands them to a module, varlen, the spec's inputs, their sizes) of packed sequences:
+    (1, H, total rows, D) views of (total rows, H, D) CPU tensors, for each of PACKED."""
+    import torch
+
+    from .dtypes import TORCH_DTYPES
+    from .runtime import _Dims
+    from .verify import make_inputs
+
+    dtype = TORCH_DTYPES[spec.dtype.value]
+    for q_lens, kv_lens in ((PACKED[0], PACKED[1]), (PACKED[1], PACKED[1])):
+        gen = torch.Generator().manual_seed(0)
+        cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) for lens in (q_lens, kv_lens)]
+        q = torch.randn(sum(q_lens), 4, spec.head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(sum(kv_lens), 2, spec.head_dim, generator=gen).to(dtype) for _ in range(2))
+        dims = _Dims(len(q_lens), 4, 2, max(q_lens), max(kv_lens))
+        inputs = make_inputs(spec, dims.batch, 4, dims.q_len, dims.kv_len, "cpu", gen)
+        yield (*(t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)), (cu[0], cu[1], dims.q_len, dims.kv_len),
+               [inputs[d.name] for d in spec.inputs], dims)
 
 
 def _record_decode(spec, module) -> None:
@@ -306,6 +343,11 @@ def record_gluon_launches(kernel_plan, choice, module, arch: int) -> list[_Launc
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra)
                 if choice.backward == "gluon":
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra)
+        for q, k, v, varlen, tensors, _ in _packed_calls(spec) if takes_packed(spec) else ():
+            for extra in dropouts:
+                o, lse = module.attention_forward(q, k, v, *tensors, **extra, varlen=varlen)
+                if choice.backward == "gluon":
+                    module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, varlen=varlen)
     return _unique(sink)
 
 

@@ -248,8 +248,14 @@ def test_recording_covers_every_flag_the_spec_implies(spec, flags):
         sig = launch.signature
         for name in ("q_len", "kv_len", "num_heads", "group_size"):
             assert sig.get(name, "i32") == "i32"
-    assert len([launch for launch in launches if "decode" not in launch.kernel]) <= 12
+    packed = [launch for launch in launches if json.loads(launch.key)["constants"].get("VARLEN") == "True"]
+    assert len([launch for launch in launches if "decode" not in launch.kernel and launch not in packed]) <= 12
     assert len([launch for launch in launches if "decode" in launch.kernel]) <= 7  # test_recording_covers_decoding
+    # packed sequences (cu_seqlens) where the spec takes them: the forward and both backward kernels, once per flag
+    if bundle.takes_packed(p.spec):
+        assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= {launch.kernel for launch in packed} and len(packed) <= 12
+    else:
+        assert not packed
 
 
 def test_recording_covers_decoding():
@@ -292,7 +298,9 @@ def test_gluon_recording_covers_dropout_on_and_off():
     launches = bundle.record_gluon_launches(p, choice, module, 90)
     flags = {(launch.kernel, json.loads(launch.key)["constants"].get("DROPOUT")) for launch in launches}
     assert {("_attn_fwd", "True"), ("_attn_fwd", "False"), ("_attn_bwd", "True"), ("_attn_bwd", "False")} <= flags, flags
-    assert len([launch for launch in launches if launch.kernel == "_attn_fwd"]) == 2
+    # one forward each with dropout on and off, for (B, H, N, D) tensors and for packed sequences (VARLEN)
+    forwards = [json.loads(launch.key)["constants"] for launch in launches if launch.kernel == "_attn_fwd"]
+    assert sorted((c.get("DROPOUT"), c.get("VARLEN", "False")) for c in forwards) == sorted((d, v) for d in ("True", "False") for v in ("True", "False"))
 
 
 def test_recording_an_fp8_spec_takes_its_forward_only():
@@ -422,7 +430,7 @@ def test_the_bundle_lookup_returns_the_gluon_binaries(built_gluon):
                                          True, None, stats)
         compiled = lookup(GluonASTSource(getattr(module, launch.kernel), launch.signature, launch.constexprs, launch.attrs), options=launch.options)
         assert compiled.asm["cubin"] == (out / k["files"][f"{launch.kernel}.cubin"]["path"]).read_bytes()
-    assert stats.loaded == 3
+    assert stats.loaded == 6  # forward, backward and its pre-pass, each also for packed sequences (VARLEN)
 
 
 @pytest.mark.slow
