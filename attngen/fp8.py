@@ -72,7 +72,7 @@ def quantize(x: torch.Tensor, granularity: str = "head", hadamard: bool = False,
         expanded = scale.repeat_interleave(BLOCK, 2)[:, :, :N, None]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: any factor
     expanded = torch.where(expanded > 0, expanded, torch.ones_like(expanded))
-    return (x / expanded).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale.float().contiguous()
+    return to_cache(x, expanded), scale.float().contiguous()
 
 
 def descale_blocks(name: str, descale, batch: int, heads: int, kv_heads: int, length: int, device, per_block: bool = True) -> torch.Tensor:
@@ -82,11 +82,7 @@ def descale_blocks(name: str, descale, batch: int, heads: int, kv_heads: int, le
     blocks = max(1, -(-length // BLOCK))
     if descale is None:
         return torch.ones((batch, heads, blocks) if per_block else (batch, kv_heads), device=device)
-    if not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32:
-        raise InputError(f"{name} must be a float32 tensor, got {descale.dtype if isinstance(descale, torch.Tensor) else type(descale).__name__}")
-    want = torch.device(device)
-    if descale.device.type != want.type or (want.index is not None and descale.device != want):
-        raise InputError(f"{name} is on {descale.device}, q on {device}")
+    _check_factor(name, descale, device)
     shapes = {"per tensor": (1,), "per (batch, key/value head)": (batch, kv_heads)}
     if per_block:
         shapes |= {"per (batch, head)": (batch, heads), "per block": (batch, heads, blocks)}
@@ -111,11 +107,7 @@ def cache_scales(name: str, scale, batch: int, kv_heads: int, device) -> torch.T
     float32: given per tensor (1,), per key/value head (Hkv,) or per (sequence, key/value head) (B, Hkv); None is 1."""
     if scale is None:
         return torch.ones((batch, kv_heads), device=device)
-    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise InputError(f"{name} must be a float32 tensor, got {scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__}")
-    want = torch.device(device)
-    if scale.device.type != want.type or (want.index is not None and scale.device != want):
-        raise InputError(f"{name} is on {scale.device}, q on {device}")
+    _check_factor(name, scale, device)
     shape = tuple(scale.shape)
     if shape in ((), (1,)):
         return scale.reshape(1, 1).expand(batch, kv_heads).contiguous()
@@ -125,6 +117,15 @@ def cache_scales(name: str, scale, batch: int, kv_heads: int, device) -> torch.T
         return scale.contiguous()
     raise InputError(f"{name} has shape {shape}; expected per tensor (1,), per key/value head ({kv_heads},) or per (sequence, key/value head) "
                      f"({batch}, {kv_heads})")
+
+
+def _check_factor(name: str, t, device) -> None:
+    """A descale argument is a float32 tensor on q's device (any index of its type when `device` names none)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        raise InputError(f"{name} must be a float32 tensor, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    want = torch.device(device)
+    if t.device.type != want.type or (want.index is not None and t.device != want):
+        raise InputError(f"{name} is on {t.device}, q on {device}")
 
 
 def to_cache(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

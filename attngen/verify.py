@@ -181,15 +181,7 @@ def _check_serving(kernel, shape: tuple, device: str, seed: int) -> Result:
     wide = (k_cache, v_cache) if kv8 else (k_cache.double(), v_cache.double())  # FP8 caches: the reference dequantizes
     ref, ref_lse = reference(spec, q.double(), *wide, return_lse=True, dtype=torch.float64, **serving, **inputs)
     naive = reference(spec, q, k_cache, v_cache, dtype=dtype, **serving, **inputs)
-    res = Result(shape, spec.dtype.value)
-    res.nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
-    res.errors["out"] = _bound(out.cpu(), naive.cpu(), ref.cpu(), 2)
-    ref_lse = ref_lse.cpu()
-    finite = torch.isfinite(ref_lse)
-    peak = ref_lse[finite].abs().max().item() if finite.any() else 0.0
-    same = torch.equal(torch.isfinite(lse.cpu()), finite)
-    res.errors["lse"] = (_err(lse.cpu()[finite], ref_lse[finite]) if same else float("inf"), 0.0, LSE_RTOL * max(1.0, peak))
-    return res
+    return _forward_result(shape, spec, out, lse, naive, ref, ref_lse)
 
 
 def _check_fp8(kernel, shape: tuple, device: str, seed: int) -> Result:
@@ -212,6 +204,12 @@ def _check_fp8(kernel, shape: tuple, device: str, seed: int) -> Result:
         out, lse = kernel(q8, k8, v8, return_lse=True, **scales, **drop, **inputs)
     ref, ref_lse = reference(spec, q8, k8, v8, return_lse=True, dtype=torch.float64, **scales, **drop, **inputs)
     naive = reference(spec, q8, k8, v8, dtype=torch.float64, fp8_p=True, **scales, **drop, **inputs).to(torch.bfloat16)
+    return _forward_result(shape, spec, out, lse, naive, ref, ref_lse)
+
+
+def _forward_result(shape: tuple, spec, out, lse, naive, ref, ref_lse) -> Result:
+    """The Result of a forward-only check: O against the float64 reference with twice the naive model's error, the
+    lse (same rows infinite, within LSE_RTOL of its largest magnitude), NaN anywhere."""
     res = Result(shape, spec.dtype.value)
     res.nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
     res.errors["out"] = _bound(out.cpu(), naive.cpu(), ref.cpu(), 2)

@@ -143,27 +143,23 @@ def scaling(n, heads=16, d=128, layout="zigzag"):
     del q, k, v, do
     leaves = [t.clone().requires_grad_() for t in shards[:3]]
 
-    def fwd():
-        with torch.no_grad():
-            cp.context_parallel(kern, *shards[:3], layout=layout)
+    def passes(kk):
+        """(forward, forward + backward) of context_parallel through kernel kk, as callables to time."""
+        def fwd():
+            with torch.no_grad():
+                cp.context_parallel(kk, *shards[:3], layout=layout)
 
-    def fwd_bwd():
-        o = cp.context_parallel(kern, *leaves, layout=layout)
-        torch.autograd.grad(o, leaves, shards[3])
+        def fwd_bwd():
+            o = cp.context_parallel(kk, *leaves, layout=layout)
+            torch.autograd.grad(o, leaves, shards[3])
 
+        return fwd, fwd_bwd
+
+    fwd, fwd_bwd = passes(kern)
     row["cp"] = {"fwd_ms": timed(fwd), "fwd_bwd_ms": timed(fwd_bwd)}
     generators = kern._shard_kernel().generator
     row["cp"]["shard_generators"] = [generators.generator, generators.backward_for(n // dist.get_world_size() // 2)]
-
-    def fwd_triton():
-        with torch.no_grad():
-            cp.context_parallel(triton_kern, *shards[:3], layout=layout)
-
-    def fwd_bwd_triton():
-        o = cp.context_parallel(triton_kern, *leaves, layout=layout)
-        torch.autograd.grad(o, leaves, shards[3])
-
-    row["cp_triton"] = {"fwd_ms": timed(fwd_triton), "fwd_bwd_ms": timed(fwd_bwd_triton)}
+    row["cp_triton"] = dict(zip(("fwd_ms", "fwd_bwd_ms"), map(timed, passes(triton_kern))))
     # the same ring with every transfer replaced by a local copy: compute and merges only
     real = ring_module._Ring.send_recv
     ring_module._Ring.send_recv = lambda self, tensors: ring_module._Done([t.clone() for t in tensors])

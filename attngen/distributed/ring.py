@@ -106,21 +106,17 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     mine = chunks(layout, ring.rank, ring.world, n)
     seq_len = n * ring.world
     kern._check_direct_indices(_Dims(dims.batch, dims.heads, dims.kv_heads, seq_len, seq_len), {d.name: t for d, t in zip(spec.inputs, tensors)})
-    p = spec.dropout if dropout_p is None else dropout_p
-    if spec.dropout == 0.0 and dropout_p:
-        raise InputError(f"dropout_p={dropout_p}, but the spec {spec.name!r} has no dropout")
-    if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise InputError(f"dropout_p must be a probability in [0, 1), got {p!r}")
+    p, _ = kern._dropout_args(dropout_p, 0 if seed is None else seed)  # the probability and the seed, checked as for a call
     if p:
-        if seed is None or not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
-            raise InputError(f"context_parallel with dropout needs seed= (a non-negative int below 2**63, the same on every rank), got {seed!r}")
+        if seed is None:  # a call draws one from torch's generator, which the ranks need not share
+            raise InputError("context_parallel with dropout needs seed= (a non-negative int below 2**63, the same on every rank), got None")
         if mine[0].length % 128:
             raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
                              f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {mine[0].length}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise InputError("context_parallel does not compute gradients of declared inputs yet; detach them")
     _check_same_shapes(ring, q, k)
-    run = _Run(kern, ring, layout, n, tensors, float(p), seed if p else None)
+    run = _Run(kern, ring, layout, n, tensors, p, seed if p else None)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, lse2 = _RingAttention.apply(run, q, k, v)
     else:
