@@ -257,16 +257,16 @@ def record_launches(kernel_plan, module, arch: int) -> list[_Launch]:
         for shape, q, k, v, inputs in _calls(spec) if spec.kv_layout is not KVLayout.PAGED else ():
             block_mask = inputs.pop("block_mask", None)
             tensors = [inputs[d.name] for d in spec.inputs]
-            # dropout on and off (evaluation); seeds of 31 and 64 bits are different argument types
-            for p, seed in ([(spec.dropout, 1), (spec.dropout, 2**40), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
-                extra = kern._extra(*kern._dropout_args(p, seed), block_mask, _Dims(*shape), q.device)
+            # dropout on and off (evaluation); the seed is a tensor the kernels read
+            for p, seed in ([(spec.dropout, 1), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
+                extra = kern._extra(*kern._dropout_args(p, seed, q.device), block_mask, _Dims(*shape), q.device)
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra)
                 for input_grads in ([False, True] if kernel_plan.read_grads else [False]) if not fp8 else ():
                     grads = {"input_grads": True} if input_grads else {}
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **grads, **extra)
         for q, k, v, varlen, tensors, dims in _packed_calls(spec) if takes_packed(spec) else ():
-            for p, seed in ([(spec.dropout, 1), (spec.dropout, 2**40), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
-                extra = kern._extra(*kern._dropout_args(p, seed), None, dims, q.device)
+            for p, seed in ([(spec.dropout, 1), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
+                extra = kern._extra(*kern._dropout_args(p, seed, q.device), None, dims, q.device)
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra, varlen=varlen)
                 module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, varlen=varlen)
     return _unique(sink)
@@ -333,16 +333,21 @@ def record_gluon_launches(kernel_plan, choice, module, arch: int) -> list[_Launc
     block shapes, so the shapes add nothing but a check that they agree."""
     import torch
 
+    from .blocks import block_lists
+
     spec = kernel_plan.spec
-    # dropout on and off (evaluation); the seed goes as two int32 halves, so every seed is one specialization
-    dropouts = [{"dropout_p": spec.dropout, "seed": 2**40 + 1}, {"dropout_p": 0.0, "seed": 1}] if spec.dropout > 0.0 else [{}]
+    # dropout on and off (evaluation); the seed is a tensor the kernels read
+    seed = torch.tensor([2**40 + 1])
+    dropouts = [{"dropout_p": spec.dropout, "seed": seed}, {"dropout_p": 0.0, "seed": seed}] if spec.dropout > 0.0 else [{}]
     with _Recording(module, arch) as sink:
-        for _, q, k, v, inputs in _calls(spec):
+        for (B, Hq, _, Nq, Nk), q, k, v, inputs in _calls(spec):
+            block_mask = inputs.pop("block_mask", None)  # runtime block sparsity: the lists the kernels walk
+            sparse = {} if block_mask is None else {"blocks": block_lists(block_mask, spec.sparse_block, B, Hq, Nq, Nk, q.device)}
             tensors = [inputs[d.name] for d in spec.inputs]
             for extra in dropouts:
-                o, lse = module.attention_forward(q, k, v, *tensors, **extra)
+                o, lse = module.attention_forward(q, k, v, *tensors, **extra, **sparse)
                 if choice.backward == "gluon":
-                    module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra)
+                    module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, **sparse)
         for q, k, v, varlen, tensors, _ in _packed_calls(spec) if takes_packed(spec) else ():
             for extra in dropouts:
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra, varlen=varlen)

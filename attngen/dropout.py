@@ -16,13 +16,16 @@ def _dropout_module() -> ModuleType:
     return load_module("dropout", *build_dropout_source())
 
 
-def dropout_mask(seed: int, dropout_p: float, batch: int, heads: int, q_len: int, kv_len: int, device="cpu") -> torch.Tensor:
+def dropout_mask(seed: int | torch.Tensor, dropout_p: float, batch: int, heads: int, q_len: int, kv_len: int, device="cpu") -> torch.Tensor:
     """The exact keep mask (bool, batch x heads x q_len x kv_len; heads = query heads) that every attngen kernel
     with dropout uses for this seed and probability, the same for every spec, tiling and loop order. Pair
     (b, h, q_idx, kv_idx) is kept iff its 16-bit value is >= round(dropout_p * 65536): with r[0..3] the outputs
     of Philox-4x32-10 with the counters (q_idx, 8 * (kv_idx // 64) + (kv_idx % 16) // 2, b * heads + h, 0) and
     the seed as key, the value is r[(kv_idx % 64) // 16] >> (16 * (kv_idx % 2)) & 0xFFFF (one call per 8 keys).
-    Kept probabilities are scaled by 1 / (1 - dropout_probability(dropout_p))."""
+    Kept probabilities are scaled by 1 / (1 - dropout_probability(dropout_p)). `seed`: an int, or the one-element
+    int64 tensor a kernel was called with (its value is read here)."""
+    if isinstance(seed, torch.Tensor):
+        seed = int(seed.item())
     if not 0.0 <= dropout_p < 1.0:
         raise InputError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
     device = torch.device(device)

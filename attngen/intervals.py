@@ -380,8 +380,9 @@ class _TileLowerer:
     read is known when it is a comparison operand or a boolean: exact if its indices do not involve q_idx or
     kv_idx, else bounded by the pre-pass summary when one index is q_idx or kv_idx itself."""
 
-    def __init__(self, scope):
+    def __init__(self, scope, span: int | None = None):
         self.scope = scope
+        self.span = span  # chunks a tile covers at most, read one by one (elementwise: scalar tiles too); None: TILE_SPAN at once
         self.stmts: list[str] = []
         self.helpers: set[str] = set()
         self.params: list[str] = []
@@ -439,26 +440,52 @@ class _TileLowerer:
         chunks = self._chunks[summary]
         c0 = self._new(f"{lo} // TILE_CHUNK")
         c1 = self._new(f"{hi} // TILE_CHUNK")
-        c = self._new(f"{c0}[:, None] + tl.arange(0, TILE_SPAN)[None, :]")
         dims = [size[i] if i != axis else chunks for i in range(len(size))]
-        index = [exact.get(i, c) for i in range(len(size))]
-        offset = index[0]
-        for i in range(1, len(size)):
-            offset = f"{offset if offset.isidentifier() else f'({offset})'} * {dims[i]} + {index[i]}"
         total = " * ".join(dims)
-        ok = self._new(f"({c} <= {c1}[:, None]) & ({c} < {chunks})")
-        mn = self._new(f"tl.load({tiles} + {offset}, mask={ok}, other=0).to(tl.int64)")
-        mx = self._new(f"tl.load({tiles} + {total} + {offset}, mask={ok}, other=0).to(tl.int64)")
-        mn = self._new(f"tl.min(tl.where({ok}, {mn}, INT64_MAX), axis=1)")
-        mx = self._new(f"tl.max(tl.where({ok}, {mx}, INT64_MIN), axis=1)")
+        if self.span is not None:
+            mn, mx = self._chunks_one_by_one(tiles, exact, axis, dims, total, chunks, c0, c1)
+            covered = self._new(f"{c1} - {c0} < {self.span}")
+        else:
+            mn, mx = self._chunks_at_once(tiles, exact, axis, dims, total, chunks, c0, c1)
+            covered = self._new(f"{c1} - {c0} < TILE_SPAN")
         # unknown if the tile spans more chunks than were read; indices past the input's end read 0
-        covered = self._new(f"{c1} - {c0} < TILE_SPAN")
         past_end = self._new(f"{hi} >= {size[axis]}")
         mn = self._new(f"tl.where({covered}, tl.where({past_end}, tl.minimum({mn}, 0), {mn}), INT64_MIN)")
         mx = self._new(f"tl.where({covered}, tl.where({past_end}, tl.maximum({mx}, 0), {mx}), INT64_MAX)")
         if in_bounds == "True":
             return mn, mx
         return self._new(f"tl.where({in_bounds}, {mn}, 0)"), self._new(f"tl.where({in_bounds}, {mx}, 0)")
+
+    def _offset(self, index: list[str], dims: list[str]) -> str:
+        offset = index[0]
+        for i in range(1, len(dims)):
+            offset = f"{offset if offset.isidentifier() else f'({offset})'} * {dims[i]} + {index[i]}"
+        return offset
+
+    def _chunks_at_once(self, tiles, exact, axis, dims, total, chunks, c0, c1):
+        """(min, max) over the chunks c0..c1 of a vector of tiles: TILE_SPAN chunks per tile as a second axis."""
+        c = self._new(f"{c0}[:, None] + tl.arange(0, TILE_SPAN)[None, :]")
+        offset = self._offset([exact.get(i, c) for i in range(len(dims))], dims)
+        ok = self._new(f"({c} <= {c1}[:, None]) & ({c} < {chunks})")
+        mn = self._new(f"tl.load({tiles} + {offset}, mask={ok}, other=0).to(tl.int64)")
+        mx = self._new(f"tl.load({tiles} + {total} + {offset}, mask={ok}, other=0).to(tl.int64)")
+        mn = self._new(f"tl.min(tl.where({ok}, {mn}, INT64_MAX), axis=1)")
+        mx = self._new(f"tl.max(tl.where({ok}, {mx}, INT64_MIN), axis=1)")
+        return mn, mx
+
+    def _chunks_one_by_one(self, tiles, exact, axis, dims, total, chunks, c0, c1):
+        """(min, max) over the chunks c0..c1 of tiles (scalars or vectors alike): `span` elementwise reads of the
+        chunks c0, c0 + 1, ..., those past c1 or past the input's end left out."""
+        mn = mx = None
+        for k in range(self.span):
+            c = c0 if k == 0 else self._new(f"{c0} + {k}")
+            offset = self._offset([exact.get(i, c) for i in range(len(dims))], dims)
+            ok = self._new(f"{c} < {chunks}" if k == 0 else f"({c} <= {c1}) & ({c} < {chunks})")
+            lo = self._new(f"tl.where({ok}, tl.load({tiles} + {offset}, mask={ok}, other=0).to(tl.int64), INT64_MAX)")
+            hi = self._new(f"tl.where({ok}, tl.load({tiles} + {total} + {offset}, mask={ok}, other=0).to(tl.int64), INT64_MIN)")
+            mn = lo if mn is None else self._new(f"tl.minimum({mn}, {lo})")
+            mx = hi if mx is None else self._new(f"tl.maximum({mx}, {hi})")
+        return mn, mx
 
     def number(self, e: Expr):
         """(lo, hi) code for an integer expression, or None when unknown."""
@@ -590,9 +617,11 @@ def _is_int_literal(code: str) -> bool:
     return code.lstrip("-").isdigit()
 
 
-def lower_tile_class(mask: Expr, scope) -> TileClassCode | None:
-    """Triton code deciding a tile's class at run time, or None if nothing about the mask is decidable that way."""
-    lowerer = _TileLowerer(scope)
+def lower_tile_class(mask: Expr, scope, span: int | None = None) -> TileClassCode | None:
+    """Triton code deciding a tile's class at run time, or None if nothing about the mask is decidable that way.
+    Inputs bounded by the pre-pass's chunks: read TILE_SPAN chunks at once for a vector of tiles (a second axis),
+    or with `span` (the most chunks a tile covers) one by one, elementwise, so that scalar tiles work too."""
+    lowerer = _TileLowerer(scope, span)
     may_drop, may_keep = lowerer.boolean(mask)
     if (may_drop, may_keep) == ("True", "True"):
         return None

@@ -184,15 +184,16 @@ class Kernel:
                 raise InputError(f"input {name!r} is indexed by {var} on dimension {axis}, which has size {size}; {var} goes up to {n - 1} ({what} = {n})")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False,
-                 dropout_p: float | None = None, seed: int | None = None, block_mask: torch.Tensor | None = None,
+                 dropout_p: float | None = None, seed: int | torch.Tensor | None = None, block_mask: torch.Tensor | None = None,
                  cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                  max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, kv_lens: torch.Tensor | None = None,
                  q_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, q_descale: torch.Tensor | None = None,
                  k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None, **inputs: torch.Tensor):
         """O (and the natural-log row log-sum-exp with return_lse). Dropout: `dropout_p` overrides the spec's
-        `dropout` (0.0 at evaluation); `seed` (default: drawn from torch's CPU generator, so torch.manual_seed
-        makes runs repeatable, under torch.compile too) fixes the pattern, which attngen.dropout_mask gives
-        exactly. `block_mask`: the kept blocks of a `sparsity = runtime` spec (see attngen.block_mask_from).
+        `dropout` (0.0 at evaluation); `seed` fixes the pattern, which attngen.dropout_mask gives exactly: an
+        int, or a one-element int64 tensor on q's device that the kernels read when they run (a captured CUDA graph
+        replays with its value then); default: drawn on q's device from torch's generator, so torch.manual_seed
+        makes runs repeatable, under torch.compile too, and each replay of a CUDA graph draws a new pattern. `block_mask`: the kept blocks of a `sparsity = runtime` spec (see attngen.block_mask_from).
 
         Packed sequences (flash_attn_varlen_func's layout and names): q (total_q, Hq, D), k and v (total_k, Hkv,
         D), sequence i's rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (int32, B + 1 entries, from 0 to total);
@@ -229,7 +230,7 @@ class Kernel:
             raise InputError("max_seqlen_q/max_seqlen_k go with cu_seqlens_q and cu_seqlens_k (packed sequences)")
         else:
             dims, tensors = self._check(q, k, v, inputs)
-        p, seed_t = self._dropout_args(dropout_p, seed)
+        p, seed_t = self._dropout_args(dropout_p, seed, q.device)
         self._check_block_mask(block_mask)
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(t.requires_grad for t in tensors))
         if varlen is not None:
@@ -266,7 +267,7 @@ class Kernel:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors)):
             raise InputError("FP8 attention is forward only (its inputs are quantized): call it under torch.no_grad() or "
                              "torch.inference_mode()")
-        p, seed_t = self._dropout_args(dropout_p, seed)
+        p, seed_t = self._dropout_args(dropout_p, seed, q.device)
         self._check_block_mask(block_mask)
         blocks = [fp8.descale_blocks(name, d, dims.batch, heads, dims.kv_heads, n, q.device, per_block)
                   for name, d, heads, n, per_block in (("q_descale", descales[0], dims.heads, dims.q_len, True),
@@ -500,7 +501,7 @@ class Kernel:
             self._shard_twin = _positions_twin(self)
         return self._shard_twin
 
-    def _shard_forward(self, q, k, v, inputs, dropout_p: float, seed: int | None, positions: tuple[int, int, int, int]):
+    def _shard_forward(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, int, int, int]):
         """O and the lse (log2 units) of q's rows attending to k's and v's keys only, where q's first row and k's
         first key are at positions[0] and positions[1] of a sequence of positions[2] queries and positions[3] keys,
         which the expressions see (attngen/distributed merges these partial results). O is float32 from the
@@ -520,7 +521,7 @@ class Kernel:
         with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
             return kern.module.attention_forward(q, k, v, *inputs, **extra, positions=positions, out_dtype=torch.float32)
 
-    def _shard_backward(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: int | None, positions: tuple[int, int, int, int]):
+    def _shard_backward(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, int, int, int]):
         """(dQ, dK, dV) of one shard pair (as _shard_forward's): the contributions of q's rows and k's keys to the
         whole attention's gradients, from its O and lse (log2 units) and dO, dlse (or None). float32, but dK and
         dV in k's element type from the Gluon backward."""
@@ -555,7 +556,7 @@ class Kernel:
 
     def _extra(self, dropout_p: float, seed: torch.Tensor | None, block_mask, dims: _Dims, device: torch.device) -> dict:
         """The launchers' keyword arguments for dropout (dropout_p, seed) and runtime sparsity (blocks)."""
-        extra = {} if seed is None else {"dropout_p": dropout_p, "seed": int(seed.item())}
+        extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
         return extra | self._blocks(block_mask, dims, device)
 
     def _blocks(self, block_mask, dims: _Dims, device: torch.device) -> dict:
@@ -573,10 +574,12 @@ class Kernel:
         self._last_blocks = (weakref.ref(block_mask), block_mask._version, shapes, lists)
         return {"blocks": lists}
 
-    def _dropout_args(self, dropout_p: float | None, seed: int | None) -> tuple[float, torch.Tensor | None]:
-        """(the dropout probability, the seed as a one-element int64 CPU tensor); (0.0, None) for a spec without
-        dropout. The default seed is drawn from torch's CPU generator, a tensor op that torch.compile records, so
-        a compiled model draws a new seed per call as an eager one does."""
+    def _dropout_args(self, dropout_p: float | None, seed, device: torch.device) -> tuple[float, torch.Tensor | None]:
+        """(the dropout probability, the seed as a one-element int64 tensor on `device`, which the kernels read
+        there); (0.0, None) for a spec without dropout. `seed`: an int (the pattern is fixed; captured in a CUDA
+        graph, every replay draws it), a one-element int64 tensor (read at each launch: a CUDA graph replays with
+        its value then), or None: drawn on `device` from torch's generator, a tensor op that torch.compile records
+        and that CUDA graphs replay with a fresh value, so each step draws a new pattern."""
         if self.spec.dropout == 0.0:
             if dropout_p:
                 raise InputError(f"dropout_p={dropout_p}, but the spec {self.spec.name!r} has no dropout: set `dropout = p` in "
@@ -586,10 +589,16 @@ class Kernel:
         if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
             raise InputError(f"dropout_p must be a probability in [0, 1), got {p!r}")
         if seed is None:
-            return float(p), torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+            return float(p), torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+        if isinstance(seed, torch.Tensor):
+            if seed.dtype != torch.int64 or seed.numel() != 1:
+                raise InputError(f"a seed tensor must hold one int64, got {seed.dtype} of shape {tuple(seed.shape)}")
+            if seed.device != device:
+                raise InputError(f"the seed tensor is on {seed.device}, q on {device}: the kernels read it on q's device")
+            return float(p), seed.reshape(1)
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
-            raise InputError(f"seed must be a non-negative integer below 2**63, got {seed!r}")
-        return float(p), torch.tensor([seed], dtype=torch.int64)
+            raise InputError(f"seed must be a non-negative integer below 2**63 or a one-element int64 tensor, got {seed!r}")
+        return float(p), torch.full((1,), seed, dtype=torch.int64, device=device)
 
 
     def _tiles(self, phase: str, dims: _Dims, flags: tuple[str, ...], device: torch.device, run) -> dict:

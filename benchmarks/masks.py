@@ -3,14 +3,16 @@
 bf16, head_dim 128, H = 16, B * N = 16384 tokens. Masks: causal, sliding window 1024 (causal), packed
 documents (random lengths 256-2048, causal inside each document). Providers, all in this process on the same
 random inputs, each checked against the float32 naive reference on the first batch entry and two heads:
-  attngen        the kernels as generated (empty tiles skipped, full tiles unmasked, inputs pre-passed)
-  attngen_off    the same spec built with attngen.compile(..., classify=False): every tile visited and masked
+  attngen        the kernels as generated (empty tiles skipped, full tiles unmasked, inputs pre-passed), through
+                 the generators `auto` chose (on sm_90 the Gluon generator's at head_dim 128)
+  triton         the same spec through the Triton generator (backend = "triton"), where auto chose Gluon
+  attngen_off    with --off: the spec built with attngen.compile(..., classify=False): every tile visited and masked
   flex           torch.compile(flex_attention) with create_block_mask of the same mask
 and attngen without a mask (dense) for the proportionality check: a mask keeping a fraction s of the pairs
 should take <= 1.2 s of the dense time (plus one tile row). TFLOP/s count only kept pairs:
 forward = 4 B H N^2 d s, backward = 2.5 x forward.
 
-    python benchmarks/masks.py [--seq 4096 16384] [--json OUT.json]
+    python benchmarks/masks.py [--seq 4096 16384] [--off] [--json OUT.json]
 """
 import argparse
 import dataclasses
@@ -53,6 +55,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, nargs="+", default=[16384])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--off", action="store_true", help="also time the kernels built with classify=False")
     args = ap.parse_args()
     dev = "cuda"
     specs = {"causal": spec_of("causal"), "window": spec_of("sliding_window"), "document": spec_of("document")}
@@ -74,18 +77,20 @@ def main():
         for name, spec in specs.items():
             inputs = {"doc": doc} if name == "document" else {}
             kern = attngen.compile(spec)
-            kern_off = attngen.compile(spec, classify=False)
+            twin = attngen.compile(spec, backend="triton") if kern.generator.generator == "gluon" else None
+            kern_off = attngen.compile(spec, classify=False) if args.off else None
             block_mask = create_block_mask(mask_mods[name], batch if name == "document" else None, None, n, n, device=dev)
             kept = kept_fraction(spec, inputs, batch, H, n, n, dev)
             fwd_flop = 4 * batch * H * n * n * D * kept
-            providers = {
-                "attngen": lambda q, k, v: kern(q, k, v, **inputs),
-                "attngen_off": lambda q, k, v: kern_off(q, k, v, **inputs),
-                "flex": lambda q, k, v, bm=block_mask: flex(q, k, v, block_mask=bm),
-            }
+            providers = {"attngen": lambda q, k, v: kern(q, k, v, **inputs)}
+            if twin is not None:
+                providers["triton"] = lambda q, k, v: twin(q, k, v, **inputs)
+            if kern_off is not None:
+                providers["attngen_off"] = lambda q, k, v: kern_off(q, k, v, **inputs)
+            providers["flex"] = lambda q, k, v, bm=block_mask: flex(q, k, v, block_mask=bm)
             ref = attngen.reference(spec, q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(),
                                     **{key: t[:1] for key, t in inputs.items()})
-            row = {"N": n, "B": batch, "H": H, "d": D, "mask": name, "kept": kept,
+            row = {"N": n, "B": batch, "H": H, "d": D, "mask": name, "kept": kept, "generators": f"{kern.generator.generator} / {kern.generator.backward}",
                    "dense_fwd_ms": t_dense[0], "dense_bwd_ms": t_dense[1]}
             if name == "document":  # the input pre-pass alone: per-chunk min/max of doc
                 row["prepass_ms"] = median_ms(lambda: kern.module._bounds_of(doc, 1))
@@ -95,13 +100,14 @@ def main():
             print(json.dumps(row), flush=True)
     mm = matmul_tflops()
     print(f"\nbf16 8192^3 matmul: {mm:.0f} TFLOP/s   ({versions()})")
-    print("ms fwd / bwd; 'vs off' and 'vs flex' = speed-up of attngen (fwd/bwd); 'time/s·dense' = attngen time over the"
-          " kept fraction of the dense time (fwd/bwd; target <= 1.2)")
-    head = f"{'config':<17}{'kept':>6}{'attngen':>16}{'attngen_off':>16}{'flex':>16}{'vs off':>12}{'vs flex':>12}{'time/s·dense':>14}"
-    print(head)
+    print("ms fwd / bwd; 'vs triton', 'vs off' and 'vs flex' = speed-up of attngen (fwd/bwd); 'time/s·dense' = attngen time over the"
+          " kept fraction of the dense time (fwd/bwd; target <= 1.2); generators: attngen's forward / backward")
+    shown = [p for p in ("attngen", "triton", "attngen_off", "flex") if any(p in row for row in rows)]
+    head = f"{'config':<17}{'kept':>6}{'generators':>16}" + "".join(f"{p:>16}" for p in shown) + "".join(f"{'vs ' + p.split('_')[-1]:>12}" for p in shown[1:])
+    print(head + f"{'time/s·dense':>14}")
     for row in rows:
         cells = []
-        for p in ("attngen", "attngen_off", "flex"):
+        for p in shown:
             r = row.get(p, {})
             cells.append(f"{r['fwd_ms']:6.2f} /{r['bwd_ms']:6.2f}" if "fwd_ms" in r else f"{'error':>13}")
 
@@ -111,8 +117,8 @@ def main():
         a = row.get("attngen", {})
         prop = (f"{a['fwd_ms'] / (row['kept'] * row['dense_fwd_ms']):.2f}/{a['bwd_ms'] / (row['kept'] * row['dense_bwd_ms']):.2f}"
                 if "fwd_ms" in a else "-")
-        print(f"{'N=' + str(row['N']) + ' ' + row['mask']:<17}{row['kept']:6.3f}" + "".join(f"{c:>16}" for c in cells)
-              + f"{ratio('attngen_off'):>12}{ratio('flex'):>12}{prop:>14}")
+        print(f"{'N=' + str(row['N']) + ' ' + row['mask']:<17}{row['kept']:6.3f}{row['generators']:>16}" + "".join(f"{c:>16}" for c in cells)
+              + "".join(f"{ratio(p):>12}" for p in shown[1:]) + f"{prop:>14}")
     for row in rows:
         if "prepass_ms" in row:
             print(f"N={row['N']} document: input pre-pass {row['prepass_ms'] * 1e3:.1f} us "

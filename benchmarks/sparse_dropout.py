@@ -44,6 +44,7 @@ def random_blocks(density: float, gen: torch.Generator) -> torch.Tensor:
 
 def sparse_table(q, k, v, do, dense_ms) -> list[dict]:
     kern = attngen.compile(f"attention block_sparse {{ head_dim = {D} dtype = bf16 sparsity = runtime sparse_block = {S} }}")
+    twin = attngen.compile(kern.spec, backend="triton") if kern.generator.generator == "gluon" else None  # for comparison
     rows = []
     for density in DENSITIES:
         bm = random_blocks(density, torch.Generator().manual_seed(int(density * 1000))).cuda()
@@ -58,6 +59,9 @@ def sparse_table(q, k, v, do, dense_ms) -> list[dict]:
         row = {"density": density, "kept": kept}
         row["attngen"] = measure("attngen", lambda q, k, v: kern(q, k, v, block_mask=bm), q, k, v, do, err, fwd_flop)
         row["flex"] = measure("flex", lambda q, k, v: flex(q, k, v, block_mask=block_mask), q, k, v, do, err, fwd_flop)
+        row["generator"] = f"{kern.generator.generator} / {kern.generator.backward}"
+        if twin is not None:
+            row["triton"] = measure("attngen (Triton generator)", lambda q, k, v: twin(q, k, v, block_mask=bm), q, k, v, do, err, fwd_flop)
         row["lists_ms"] = median_ms(lambda: block_lists(bm, S, B, H, N, N, bm.device))
         a = row["attngen"]
         if "fwd_ms" in a:
@@ -123,13 +127,14 @@ def main():
     print(f"\n{versions()}; B={B} H={H} N={N} d={D} bf16; dense attngen {dense_ms[0]:.2f} / {dense_ms[1]:.2f} ms")
     print("block-sparse (random 128x128 blocks, diagonal kept): ms fwd / bwd; 'vs flex' = Flex time / attngen time;"
           " 'time/s·dense' = attngen over kept x dense (target <= 1.15)")
-    print(f"{'density':>8}{'kept':>7}{'attngen':>16}{'flex':>16}{'vs flex':>12}{'time/s·dense':>14}{'lists us':>10}")
+    print(f"{'density':>8}{'kept':>7}{'generators':>16}{'attngen':>16}{'triton gen':>16}{'flex':>16}{'vs flex':>12}{'time/s·dense':>14}{'lists us':>10}")
     for r in sparse:
         a, f = r["attngen"], r["flex"]
         cell = lambda x: f"{x['fwd_ms']:6.2f} /{x['bwd_ms']:6.2f}" if "fwd_ms" in x else f"{'error':>13}"  # noqa: E731
         vs = f"{f['fwd_ms'] / a['fwd_ms']:.2f}/{f['bwd_ms'] / a['bwd_ms']:.2f}" if "fwd_ms" in a and "fwd_ms" in f else "-"
         prop = f"{r['fwd_vs_dense']:.2f}/{r['bwd_vs_dense']:.2f}" if "fwd_vs_dense" in r else "-"
-        print(f"{r['density']:8.3f}{r['kept']:7.3f}{cell(a):>16}{cell(f):>16}{vs:>12}{prop:>14}{r['lists_ms'] * 1e3:10.1f}")
+        print(f"{r['density']:8.3f}{r['kept']:7.3f}{r['generator']:>16}{cell(a):>16}{cell(r.get('triton', {})):>16}{cell(f):>16}{vs:>12}{prop:>14}"
+              f"{r['lists_ms'] * 1e3:10.1f}")
     print("dropout 0.1: fwd+bwd ms (fwd / bwd for p=0.1); 'cost' = attngen p=0.1 over p=0 (target <= 1.15); 'vs flash' = SDPA flash"
           " p=0.1 over attngen p=0.1 (target >= 1.4); 'triton gen' = the same spec through the Triton generator")
     print(f"{'mask':>8}{'generators':>16}{'p=0':>8}{'p=0.1':>20}{'triton gen':>20}{'flash p=0':>11}{'flash p=0.1':>13}{'cost':>7}{'vs flash':>10}")

@@ -114,8 +114,8 @@ def test_return_lse_and_its_gradient_under_compile(device, target):
 
 
 def test_dropout_under_compile_draws_its_seed_as_eager_does(device, target):
-    """The default seed comes from torch's CPU generator inside the graph: torch.manual_seed makes a compiled call
-    repeat the eager call's pattern, and each call draws a new one."""
+    """The default seed comes from torch's generator (q's device) inside the graph: torch.manual_seed makes a
+    compiled call repeat the eager call's pattern, and each call draws a new one."""
     kern = _kernel("causal_dropout", target)
     fn = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True, backend="aot_eager")
     dtype = TORCH_DTYPES[kern.spec.dtype.value]
@@ -157,7 +157,7 @@ def test_opcheck_passes_for_every_shipped_spec(name, device, target):
             torch.library.opcheck(ops.decode, decode_args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     if spec.kv_layout.value == "paged":
         return  # a paged cache has no training ops to check
-    p, seed = kern._dropout_args(None, 5)
+    p, seed = kern._dropout_args(None, 5, q.device)
     forward_args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), tensors, p, seed, block_mask)
     torch.library.opcheck(ops.forward, forward_args)
     o, lse = ops.forward(*forward_args)
@@ -183,6 +183,41 @@ def test_bad_calls_fail_while_tracing_with_the_eager_message(target):
     q = torch.randn(1, 2, 16, 64)
     with pytest.raises(Exception, match="q has head_dim 64, the spec says 128"):
         fn(q, q, q)
+
+
+@pytest.mark.parametrize("backend", ["triton", "gluon"])
+def test_dropout_captured_in_a_cuda_graph_draws_a_new_pattern_per_replay(backend, device):
+    """Forward and backward with dropout captured in a CUDA graph: with the default seed every replay draws a new
+    pattern (the seed is drawn on the GPU and read by the kernels, not baked into the graph), and a seed tensor
+    is read at each replay: a replay after seed.fill_(s) equals an eager call with seed=s, bit for bit. Both
+    generators (Gluon's on sm_90 only)."""
+    if device != "cuda" or (backend == "gluon" and torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("CUDA graphs need a GPU; Gluon kernels an sm_90 one")
+    kern = attngen.compile(SPECS["causal_dropout"], backend=backend)
+    q, k, v, do = (torch.randn(2, 4, 256, kern.spec.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    seed = torch.tensor([5], device="cuda")
+
+    def step(s):
+        o = kern(q, k, v, seed=s)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    for s in (None, seed):
+        step(s)  # compile and warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step(s)
+        replays = []
+        for value in (5, 6):
+            seed.fill_(value)
+            graph.replay()
+            torch.cuda.synchronize()
+            replays.append([t.clone() for t in outs])
+            assert not any(torch.isnan(t).any() for t in outs)
+            if s is seed:
+                assert all(torch.equal(a, b) for a, b in zip(outs, step(value)))
+        assert not torch.equal(replays[0][0], replays[1][0]) and not torch.equal(replays[0][1], replays[1][1])
 
 
 def test_a_decode_loop_captured_in_a_cuda_graph_replays(device):

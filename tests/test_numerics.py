@@ -431,6 +431,33 @@ def test_dropout_seed_defaults_to_torch_generator(device, target):
     assert not torch.equal(kern(q, k, v), first)  # the generator moved on: another pattern
 
 
+def test_a_seed_tensor_gives_the_pattern_of_its_value_when_the_kernels_run(device, target):
+    """seed= a one-element int64 tensor: forward and backward use the value it holds when they run (what a CUDA
+    graph replay needs), the same pattern as that int; the reference takes the tensor too. Bad tensors are
+    InputErrors before any kernel runs."""
+    kern = _compile(load_spec("attention t { head_dim = 32 dropout = 0.4 mask = q_idx >= kv_idx }"), "fp32", target)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (_rand(1, 2, 40, 32, device=device, dtype=torch.float32, gen=gen) for _ in range(4))
+    seed = torch.tensor([11], device=device)
+
+    def run(s):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        o = kern(qs, ks, vs, seed=s)
+        return (o, *torch.autograd.grad(o, (qs, ks, vs), do))
+
+    with_tensor, with_int = run(seed), run(11)
+    assert all(torch.equal(a, b) for a, b in zip(with_tensor, with_int))
+    seed.fill_(12)
+    changed = run(seed)
+    assert all(torch.equal(a, b) for a, b in zip(changed, run(12)))
+    assert not torch.equal(changed[0], with_int[0])
+    ref = attngen.reference(kern.spec, q.double(), k.double(), v.double(), dropout_p=0.4, seed=seed)
+    assert not torch.isnan(changed[0]).any() and (changed[0].double() - ref).abs().max().item() < 1e-5
+    for bad, why in ((torch.tensor([1.0], device=device), "one int64"), (torch.tensor([1, 2], device=device), "one int64")):
+        with pytest.raises(attngen.InputError, match=why):
+            kern(q, k, v, seed=bad)
+
+
 # bf16 specs on CPU tensors: Triton's interpreter has no bf16 arithmetic (it multiplied the raw 16-bit patterns and
 # returned outputs near 8e8), so the call runs the spec's float32 kernels on float32 copies and rounds to bf16.
 BF16_CPU = {

@@ -4,7 +4,8 @@
     codegen/gluon/    Gluon for Hopper (sm_90): warp-specialized, TMA rings, asynchronous wgmma
 
 Both render from the same front end (the checked Spec, the expression IR, the tile classes), so they cannot
-disagree on what a spec means; each keeps its templates in its own folder of the top-level templates/.
+disagree on what a spec means; each keeps its templates in its own folder of the top-level templates/, and
+templates/common/ holds the pieces both include (plain Triton kernels both modules launch).
 This module holds what they share: finding and rendering templates, and the versions stamped in every module.
 """
 from __future__ import annotations
@@ -48,6 +49,8 @@ class Templates:
     """One generator's folder of templates: a strict Jinja environment over it, and its digest (part of every
     cache key, so editing a template invalidates what was rendered from it)."""
 
+    SHARED = "common"  # templates both generators include, searched after a generator's own folder
+
     def __init__(self, folder: str, main: str, directory: Path | None = None):
         self.folder = folder
         self.main = main
@@ -63,7 +66,7 @@ class Templates:
     @functools.cached_property
     def environment(self) -> jinja2.Environment:
         return jinja2.Environment(
-            loader=jinja2.FileSystemLoader(str(self.path)),
+            loader=jinja2.FileSystemLoader([str(self.path), str(templates_root() / self.SHARED)]),
             undefined=jinja2.StrictUndefined,
             trim_blocks=True,
             lstrip_blocks=True,
@@ -74,7 +77,7 @@ class Templates:
     @functools.cache  # noqa: B019 (one instance per generator, alive for the process)
     def digest(self) -> str:
         h = hashlib.sha256()
-        for path in sorted(self.path.glob("*.jinja")):
+        for path in sorted(self.path.glob("*.jinja")) + sorted((templates_root() / self.SHARED).glob("*.jinja")):
             h.update(path.name.encode())
             h.update(path.read_bytes())
         return h.hexdigest()

@@ -106,7 +106,7 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     mine = chunks(layout, ring.rank, ring.world, n)
     seq_len = n * ring.world
     kern._check_direct_indices(_Dims(dims.batch, dims.heads, dims.kv_heads, seq_len, seq_len), {d.name: t for d, t in zip(spec.inputs, tensors)})
-    p, _ = kern._dropout_args(dropout_p, 0 if seed is None else seed)  # the probability and the seed, checked as for a call
+    p, seed_t = kern._dropout_args(dropout_p, 0 if seed is None else seed, q.device)  # the probability and the seed, checked as for a call
     if p:
         if seed is None:  # a call draws one from torch's generator, which the ranks need not share
             raise InputError("context_parallel with dropout needs seed= (a non-negative int below 2**63, the same on every rank), got None")
@@ -116,7 +116,7 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise InputError("context_parallel does not compute gradients of declared inputs yet; detach them")
     _check_same_shapes(ring, q, k)
-    run = _Run(kern, ring, layout, n, tensors, p, seed if p else None)
+    run = _Run(kern, ring, layout, n, tensors, p, seed_t if p else None)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, lse2 = _RingAttention.apply(run, q, k, v)
     else:
@@ -129,7 +129,7 @@ class _Run:
     Tensors are handled chunk by chunk, each chunk's rows contiguous (copied once per call where the layout has
     two chunks per rank), so no kernel call copies its operands and the ring sends whole tensors."""
 
-    def __init__(self, kern: Kernel, ring: _Ring, layout: str, n: int, inputs: list, dropout_p: float, seed: int | None):
+    def __init__(self, kern: Kernel, ring: _Ring, layout: str, n: int, inputs: list, dropout_p: float, seed: torch.Tensor | None):
         self.kern, self.ring, self.inputs, self.dropout_p, self.seed = kern, ring, inputs, dropout_p, seed
         self.seq_len = n * ring.world
         self.mine = chunks(layout, ring.rank, ring.world, n)

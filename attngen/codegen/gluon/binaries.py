@@ -41,7 +41,7 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     """The module's kernels (forward, backward and its pre-pass) compiled for sm_90 from the signatures of a
     call on CPU tensors of these sizes (descriptors carry only their block shape and layout in the signature,
     and the sizes are never specialized: one binary serves every size), and with `varlen` their packed-sequence
-    specializations ("... varlen"); for a spec with dropout, the forward and backward with it compiled in too
+    specializations ("... varlen"; not for runtime block sparsity, which takes none); for a spec with dropout, the forward and backward with it compiled in too
     ("... dropout", "... varlen dropout"). {kernel name: CompiledKernel}."""
     import torch
 
@@ -65,12 +65,19 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     inputs = [torch.zeros([4] * ndim, dtype=TORCH_DTYPES[kind]) for _, kind, ndim in module.INPUTS]  # only their types matter
     warps = {"num_warps": 4, "maxnreg": module.MAXNREG}
     dq = torch.empty(q.shape, dtype=torch.float32)
+    # runtime block sparsity: lists of kept blocks (only their type matters); such specs take no packed sequences
+    extra: dict = {"blocks": (torch.zeros(batch, heads, 2, 3, dtype=torch.int32),) * 2} if hasattr(module, "SPARSE_BLOCK") else {}
+    # the input pre-pass's summaries, of each input's element type (booleans as int8): made here, not by its kernel
+    if hasattr(module, "BOUNDS"):
+        kinds = [torch.int8 if t.dtype == torch.bool else t.dtype for t in inputs]
+        extra["bounds"] = [torch.zeros(2, 4, 4, dtype=kinds[index]) for index, _ in module.BOUNDS]
+    varlen = varlen and "blocks" not in extra
     stats = module.bwd_stats(batch, heads, q_len, "cpu")
     order = module.bwd_order(batch, heads, q_len, kv_len, "cpu")
     kernels = {
-        "_attn_fwd": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs), warps),
-        "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, order, dq, k, k, *inputs), warps),
-        "_bwd_delta": compile_kernel(module._bwd_delta, module.delta_launch_args(o, o, lse, None, stats, order, k, *inputs), {"num_warps": 4}),
+        "_attn_fwd": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, **extra), warps),
+        "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, order, dq, k, k, *inputs, **extra), warps),
+        "_bwd_delta": compile_kernel(module._bwd_delta, module.delta_launch_args(o, o, lse, None, stats, order, k, *inputs, **extra), {"num_warps": 4}),
     }
     if varlen:  # packed sequences (cu_seqlens): the same kernels with VARLEN = True, on (packed rows, H, D) tensors
         qp, kp = (t[0].transpose(0, 1).contiguous() for t in (q, k))
@@ -78,25 +85,30 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
         packed = (cu, cu, q_len, kv_len)
         op, dqp = torch.empty_like(qp), torch.empty(qp.shape, dtype=torch.float32)
         kernels |= {
-            "_attn_fwd varlen": compile_kernel(module._attn_fwd, module.launch_args(qp, kp, kp, op, lse, *inputs, varlen=packed), warps | {"VARLEN": True}),
-            "_attn_bwd varlen": compile_kernel(module._attn_bwd, module.bwd_launch_args(qp, kp, kp, op, stats, order, dqp, kp, kp, *inputs, varlen=packed),
+            "_attn_fwd varlen": compile_kernel(module._attn_fwd, module.launch_args(qp, kp, kp, op, lse, *inputs, varlen=packed, **extra),
                                                warps | {"VARLEN": True}),
-            "_bwd_delta varlen": compile_kernel(module._bwd_delta, module.delta_launch_args(op, op, lse, None, stats, order, kp, *inputs, varlen=packed),
+            "_attn_bwd varlen": compile_kernel(module._attn_bwd, module.bwd_launch_args(qp, kp, kp, op, stats, order, dqp, kp, kp, *inputs, varlen=packed,
+                                                                                         **extra), warps | {"VARLEN": True}),
+            "_bwd_delta varlen": compile_kernel(module._bwd_delta, module.delta_launch_args(op, op, lse, None, stats, order, kp, *inputs, varlen=packed,
+                                                                                            **extra),
                                                 {"num_warps": 4, "VARLEN": True}),
         }
-    if hasattr(module, "dropout_args"):  # dropout compiled in (p > 0), with a seed of 64 bits
-        dropout, flag = module.dropout_args(0.1, 2**40 + 7)
+    if hasattr(module, "dropout_args"):  # dropout compiled in (p > 0): the seed is a tensor the kernels read
+        dropout, flag = module.dropout_args(0.1, torch.tensor([2**40 + 7]), q.device)
         kernels |= {
-            "_attn_fwd dropout": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, dropout=dropout), warps | flag),
-            "_attn_bwd dropout": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, order, dq, k, k, *inputs, dropout=dropout),
+            "_attn_fwd dropout": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, dropout=dropout, **extra), warps | flag),
+            "_attn_bwd dropout": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, order, dq, k, k, *inputs, dropout=dropout,
+                                                                                          **extra),
                                                 warps | flag),
         }
         if varlen:
             kernels |= {
-                "_attn_fwd varlen dropout": compile_kernel(module._attn_fwd, module.launch_args(qp, kp, kp, op, lse, *inputs, varlen=packed, dropout=dropout),
+                "_attn_fwd varlen dropout": compile_kernel(module._attn_fwd, module.launch_args(qp, kp, kp, op, lse, *inputs, varlen=packed, dropout=dropout,
+                                                                                                **extra),
                                                            warps | flag | {"VARLEN": True}),
                 "_attn_bwd varlen dropout": compile_kernel(module._attn_bwd, module.bwd_launch_args(qp, kp, kp, op, stats, order, dqp, kp, kp, *inputs,
-                                                                                                    varlen=packed, dropout=dropout), warps | flag | {"VARLEN": True}),
+                                                                                                    varlen=packed, dropout=dropout, **extra),
+                                                           warps | flag | {"VARLEN": True}),
             }
     return kernels
 

@@ -22,6 +22,7 @@ NAMES = {
     "tl.log": "gl.log",
     "tl.sqrt": "gl.sqrt",
     "tl.zeros_like": "gl.zeros_like",
+    "tl.cdiv": "gl.cdiv",
     "tl.load": "gl.load",  # an input read: its pointers carry the layout of the indices they are computed from
     "tl.int1": "gl.int1",
     "tl.int8": "gl.int8",

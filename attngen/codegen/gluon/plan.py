@@ -30,6 +30,9 @@ MAX_STAGES = 4
 PIECES_MIN_GAIN = 0.05
 PIECES_PROBE_N = 2048
 SMEM_RESERVE = 1024  # mbarriers and Gluon's scratch
+# runtime block sparsity: the kernels walk lists of kept blocks in whole tiles (the forward's 128 x 128, the
+# backward's 128 keys x 64 or 128 query rows), so a block must hold whole tiles
+SPARSE_BLOCK_MIN = 128
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,9 @@ def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
         why.append(f"dtype fp8 with head_dim {spec.head_dim}: its FP8 forward is written for 128")
     if spec.head_dim not in HEAD_DIMS:
         why.append(f"head_dim {spec.head_dim}: its kernels take {' or '.join(map(str, HEAD_DIMS))}")
-    if spec.sparsity == "runtime":
-        why.append("runtime block sparsity: the block lists are not ported to Gluon yet")
+    if spec.sparsity == "runtime" and spec.sparse_block < SPARSE_BLOCK_MIN:
+        why.append(f"runtime block sparsity with sparse_block = {spec.sparse_block}: its tiles ({SPARSE_BLOCK_MIN} keys, {SPARSE_BLOCK_MIN} query "
+                   f"rows forward) must each lie inside one block, so sparse_block >= {SPARSE_BLOCK_MIN}")
     if spec.kv_layout is KVLayout.PAGED:
         why.append("kv_layout = paged: a paged cache is read by the decode kernels, which are the Triton generator's")
     if spec.kv_dtype is DType.FP8:

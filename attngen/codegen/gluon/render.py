@@ -12,10 +12,14 @@ from ...intervals import lower_tile_class
 from .. import Templates, versions
 from ..lowering import KernelCode, lower_for_kernel
 from .lower import helpers as gluon_helpers
-from .lower import Untranslatable, translate
+from .lower import translate
 from .plan import M_PER_WARPGROUP, REGISTERS_PER_SM, GluonPlan
 
 LOG2E = 1.4426950408889634
+# The input pre-pass's chunk for the Gluon kernels' tiles (64 or 128 indices, starting at multiples of 64 outside a
+# context-parallel shard): a tile covers at most TILE_SPAN chunks (a shard's may cover more: then unknown, partial)
+TILE_CHUNK = 64
+TILE_SPAN = 2
 TEMPLATES = Templates("gluon", "module.py.jinja")
 
 
@@ -30,16 +34,17 @@ def context(gp: GluonPlan) -> dict:
     """Everything the template sees. Raises lower.Untranslatable for code with no Gluon counterpart."""
     plan = gp.base
     spec = plan.spec
+    names = [i.name for i in spec.inputs]
     helpers: set[str] = set()
     pos = plan.global_positions  # a context-parallel shard's kernels: the expressions see the whole sequence's lengths
     fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers, global_positions=pos)
     dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos)  # as the Triton dK/dV kernel's
     tile_class = None
     if plan.mask is not None and plan.classify:
-        tile_class = lower_tile_class(plan.mask, ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name))
+        # inputs read at q_idx or kv_idx are bounded by the pre-pass's chunks, read one by one (the tiles are scalars
+        # in most of the kernels): every tile starts at a multiple of TILE_CHUNK and covers at most TILE_SPAN chunks
+        tile_class = lower_tile_class(plan.mask, ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name), span=TILE_SPAN)
         if tile_class is not None:
-            if tile_class.bounds:
-                raise Untranslatable("tile classes from the inputs' per-chunk bounds (the pre-pass) are not ported to Gluon yet")
             helpers |= tile_class.helpers
             tile_class = type(tile_class)([translate(s) for s in tile_class.stmts], translate(tile_class.may_drop),
                                           translate(tile_class.may_keep), tile_class.helpers, tile_class.params, tile_class.bounds)
@@ -58,6 +63,8 @@ def context(gp: GluonPlan) -> dict:
         "has_mask": plan.mask is not None,
         "has_score": plan.score is not None,
         "has_dropout": spec.dropout > 0.0,
+        "runtime_sparsity": spec.sparsity == "runtime",  # the kernels walk lists of kept blocks (attngen/blocks.py)
+        "sparse_block": spec.sparse_block,
         "deterministic": spec.deterministic,  # dQ's additions in a fixed order
         "guard_rows": plan.may_mask_rows,
         "positions": pos,
@@ -71,6 +78,9 @@ def context(gp: GluonPlan) -> dict:
         "outer": [translate(s) for s in fwd.outer],
         "helpers": gluon_helpers(helpers),
         "tile_class": tile_class,
+        "tile_chunk": TILE_CHUNK,
+        # the pre-pass summaries: (index of the input among the declared ones, axis), in the order of the parameters
+        "bounds": [(names.index(bnd.input), bnd.axis, bnd.param) for bnd in tile_class.bounds] if tile_class else [],
         "skip_empty": gp.skip_empty and tile_class is not None,  # the forward skips the holes of a block pattern
         "inputs": [_Input(i.name, i.dtype, len(i.dims)) for i in spec.inputs],
         "dkdv": KernelCode([translate(s) for s in dkdv.outer], [translate(s) for s in dkdv.inner], translate(dkdv.mask),
