@@ -104,6 +104,41 @@ def test_plan_sizes_the_ring_from_shared_memory():
         assert 128 * (2 * gp.consumer_regs + gp.load_regs) <= 65536
 
 
+def test_head_dim_256_has_a_forward_of_64_key_tiles_and_the_triton_backward():
+    """At head_dim 256 a K+V stage of 128 keys would leave one ring stage beside the Q tiles: 64 keys per tile, two
+    stages. Its Gluon backward would need 256 registers per thread for dK and dV (a consumer has 240): the module
+    holds the forward only, and every backend takes the Triton backward, saying why; auto takes the Gluon forward
+    (measured 2.15-2.42x the Triton generator's on the H100)."""
+    spec = _spec("causal", head_dim=256)
+    gp = plan_gluon(plan(spec, "h100"))
+    smem = plan(spec, "h100").target.smem_per_block
+    assert (gp.block_m, gp.block_n, gp.has_backward) == (128, 64, False)
+    assert gp.stages == 2 == (smem - 1024 - 2 * 64 * 256 * 2) // (2 * 64 * 256 * 2)
+    assert "gluon backward: none at head_dim 256 (dK and dV of 64 keys per warpgroup would take 256 registers" in gp.describe()
+    c = choose(spec, plan(spec, "h100"), Backend.GLUON)
+    assert (c.generator, c.backward) == ("gluon", "triton") and c.backward_reason == "the Gluon backward takes head_dim 64 or 128"
+    assert (choose(spec, plan(spec, "h100")).generator, choose(spec, plan(spec, "h100")).backward) == ("gluon", "triton")
+    src = render(gp)
+    assert "def _attn_fwd(" in src and "def attention_forward(" in src and "def _attn_bwd(" not in src and "attention_backward" not in src
+
+
+@pytest.mark.slow  # triton.compile for sm_90 in a subprocess: about 30 s on 2 cores
+def test_the_head_dim_256_forward_compiles_for_sm90(tmp_path):
+    """With dropout, plain and packed: the forward kernels alone, no spill, the register budgets in the PTX."""
+    from attngen.codegen.gluon import build_source
+
+    path = tmp_path / "d256_gluon.py"
+    path.write_text(build_source(plan_gluon(plan(_spec("causal_dropout", head_dim=256), "h100")))[1])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path), "bf16"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
+    assert sorted(lines) == ["_attn_fwd", "_attn_fwd dropout", "_attn_fwd varlen", "_attn_fwd varlen dropout"]
+    for r in lines.values():
+        assert r["spill_bytes"] == 0 and {"24", "240"} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"], r
+
+
 def test_plan_sizes_the_backward():
     """One program per 128 keys (64 per consumer warpgroup); query tiles of 64 rows at d=128 (dQ split by columns)
     and 128 at d=64 (by rows): 2 * 64 * (d + BLOCK_M) / 128 registers of dK, dV, S^T and dP^T per thread stay at
@@ -332,6 +367,19 @@ def test_gluon_forward_matches_the_reference(name, device):
         inputs = verify.make_inputs(kern.spec, 2, 4, 777, 777, "cuda", torch.Generator().manual_seed(1))
         inputs |= {"seed": 5} if kern.spec.dropout else {}  # the same dropout pattern
         assert torch.equal(kern(q, k, v, **inputs), kern(q, k, v, **inputs))
+
+
+@pytest.mark.parametrize("name", ["causal_dropout", "dense", "document"])
+def test_the_head_dim_256_forward_matches_the_reference(name, device):
+    """backend = gluon at head_dim 256: the Gluon forward (64-key tiles) and the Triton backward, within `attngen
+    check`'s budget on every CUDA shape, bf16 and fp16."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    for dtype in (DType.BF16, DType.FP16):
+        kern = attngen.compile(_spec(name, dtype=dtype, head_dim=256), backend="gluon")
+        assert (kern.generator.generator, kern.generator.backward) == ("gluon", "triton")
+        results = [verify.check_one(kern, shape, "cuda", seed=i) for i, shape in enumerate(verify.CUDA_SHAPES)]
+        assert all(r.ok for r in results), verify.format_table(name, results)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

@@ -38,11 +38,12 @@ def compile_kernel(fn, args: tuple, options: dict):
 
 def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv_heads: int = 1, q_len: int = 130,
                    kv_len: int = 200, varlen: bool = True) -> dict:
-    """The module's kernels (forward, backward and its pre-pass) compiled for sm_90 from the signatures of a
-    call on CPU tensors of these sizes (descriptors carry only their block shape and layout in the signature,
-    and the sizes are never specialized: one binary serves every size), and with `varlen` their packed-sequence
-    specializations ("... varlen"; not for runtime block sparsity, which takes none); for a spec with dropout, the forward and backward with it compiled in too
-    ("... dropout", "... varlen dropout"). {kernel name: CompiledKernel}."""
+    """The module's kernels (forward, and backward and its pre-pass where the module has them) compiled for sm_90
+    from the signatures of a call on CPU tensors of these sizes (descriptors carry only their block shape and
+    layout in the signature, and the sizes are never specialized: one binary serves every size), and with
+    `varlen` their packed-sequence specializations ("... varlen"; not for runtime block sparsity, which takes
+    none); for a spec with dropout, the forward and backward with it compiled in too ("... dropout", "... varlen
+    dropout"). {kernel name: CompiledKernel}."""
     import torch
 
     from ...dtypes import TORCH_DTYPES
@@ -72,44 +73,32 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
         kinds = [torch.int8 if t.dtype == torch.bool else t.dtype for t in inputs]
         extra["bounds"] = [torch.zeros(2, 4, 4, dtype=kinds[index]) for index, _ in module.BOUNDS]
     varlen = varlen and "blocks" not in extra
-    stats = module.bwd_stats(batch, heads, q_len, "cpu")
-    order = module.bwd_order(batch, heads, q_len, kv_len, "cpu")
-    kernels = {
-        "_attn_fwd": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, **extra), warps),
-        "_attn_bwd": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, order, dq, k, k, *inputs, **extra), warps),
-        "_bwd_delta": compile_kernel(module._bwd_delta, module.delta_launch_args(o, o, lse, None, stats, order, k, *inputs, **extra), {"num_warps": 4}),
-    }
-    if varlen:  # packed sequences (cu_seqlens): the same kernels with VARLEN = True, on (packed rows, H, D) tensors
+    backward = hasattr(module, "attention_backward")  # else a forward-only module (a head dim the Gluon backward does not take)
+    stats = module.bwd_stats(batch, heads, q_len, "cpu") if backward else None
+    order = module.bwd_order(batch, heads, q_len, kv_len, "cpu") if backward else None
+    # (name, tensors of each kernel's launch: plain, and with VARLEN as packed (rows, H, D) tensors)
+    calls = [("", (q, k, o, dq), {})]
+    if varlen:  # packed sequences (cu_seqlens): the same kernels with VARLEN = True
         qp, kp = (t[0].transpose(0, 1).contiguous() for t in (q, k))
         cu = torch.zeros(batch + 1, dtype=torch.int32)
-        packed = (cu, cu, q_len, kv_len)
-        op, dqp = torch.empty_like(qp), torch.empty(qp.shape, dtype=torch.float32)
-        kernels |= {
-            "_attn_fwd varlen": compile_kernel(module._attn_fwd, module.launch_args(qp, kp, kp, op, lse, *inputs, varlen=packed, **extra),
-                                               warps | {"VARLEN": True}),
-            "_attn_bwd varlen": compile_kernel(module._attn_bwd, module.bwd_launch_args(qp, kp, kp, op, stats, order, dqp, kp, kp, *inputs, varlen=packed,
-                                                                                         **extra), warps | {"VARLEN": True}),
-            "_bwd_delta varlen": compile_kernel(module._bwd_delta, module.delta_launch_args(op, op, lse, None, stats, order, kp, *inputs, varlen=packed,
-                                                                                            **extra),
-                                                {"num_warps": 4, "VARLEN": True}),
-        }
-    if hasattr(module, "dropout_args"):  # dropout compiled in (p > 0): the seed is a tensor the kernels read
-        dropout, flag = module.dropout_args(0.1, torch.tensor([2**40 + 7]), q.device)
-        kernels |= {
-            "_attn_fwd dropout": compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, dropout=dropout, **extra), warps | flag),
-            "_attn_bwd dropout": compile_kernel(module._attn_bwd, module.bwd_launch_args(q, k, k, o, stats, order, dq, k, k, *inputs, dropout=dropout,
-                                                                                          **extra),
-                                                warps | flag),
-        }
-        if varlen:
-            kernels |= {
-                "_attn_fwd varlen dropout": compile_kernel(module._attn_fwd, module.launch_args(qp, kp, kp, op, lse, *inputs, varlen=packed, dropout=dropout,
-                                                                                                **extra),
-                                                           warps | flag | {"VARLEN": True}),
-                "_attn_bwd varlen dropout": compile_kernel(module._attn_bwd, module.bwd_launch_args(qp, kp, kp, op, stats, order, dqp, kp, kp, *inputs,
-                                                                                                    varlen=packed, dropout=dropout, **extra),
-                                                           warps | flag | {"VARLEN": True}),
-            }
+        calls.append((" varlen", (qp, kp, torch.empty_like(qp), torch.empty(qp.shape, dtype=torch.float32)), {"varlen": (cu, cu, q_len, kv_len)}))
+    kernels = {}
+    for tail, (q_, k_, o_, dq_), packed in calls:
+        flag = {"VARLEN": True} if packed else {}
+        kernels[f"_attn_fwd{tail}"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, **packed, **extra), warps | flag)
+        if backward:
+            kernels[f"_attn_bwd{tail}"] = compile_kernel(module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_, *inputs,
+                                                                                                 **packed, **extra), warps | flag)
+            kernels[f"_bwd_delta{tail}"] = compile_kernel(module._bwd_delta, module.delta_launch_args(o_, o_, lse, None, stats, order, k_, *inputs,
+                                                                                                    **packed, **extra), {"num_warps": 4} | flag)
+        if hasattr(module, "dropout_args"):  # dropout compiled in (p > 0): the seed is a tensor the kernels read
+            dropout, on = module.dropout_args(0.1, torch.tensor([2**40 + 7]), q.device)
+            kernels[f"_attn_fwd{tail} dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, dropout=dropout,
+                                                                                                       **packed, **extra), warps | flag | on)
+            if backward:
+                kernels[f"_attn_bwd{tail} dropout"] = compile_kernel(
+                    module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_, *inputs, dropout=dropout, **packed, **extra),
+                    warps | flag | on)
     return kernels
 
 

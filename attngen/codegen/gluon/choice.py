@@ -11,14 +11,17 @@ from ...intervals import Truth, tile_env, truth
 from ...plan import KernelPlan
 from ...spec import Backend, DType, Expr, Spec
 from .lower import Untranslatable
-from .plan import ARCH, GluonPlan, plan_gluon, unsupported
+from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
 from .render import context
 
 # What `auto` takes: on the H100 (BENCHMARKS.md, 2026-11-24) the Gluon forward was 1.25-1.46x the Triton generator's
 # at d=128 (dense, causal; sliding window 1.17-1.24x with the version before), but at d=64 0.90-0.93x at N=1024 (1.09-1.16x
 # from 4096) and 0.87-1.06x with softcap's score modification (its tanh is the bottleneck): those stay with Triton
 # unless backend = gluon.
-AUTO_HEAD_DIMS = (128,)
+# At head_dim 256 (the forward alone: 64-key tiles, two ring stages; BENCHMARKS.md, 2026-11-26 session 10) the Gluon
+# forward was 2.15-2.42x the Triton generator's (641-655 against 255-285 TFLOP/s, dense and causal, N = 4096 and 16384).
+AUTO_HEAD_DIMS = (128, 256)
+HEAD_DIM_MEASURED = {64: "head_dim 64: 0.90-0.93x the Triton forward at N=1024 on the H100 (1.09-1.16x from 4096)"}
 # FP8 at d=128 on the H100 (BENCHMARKS.md, 2026-11-26 session 9): the Gluon forward 1.13-1.20x the Triton generator's
 FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
 
@@ -72,6 +75,9 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
     if spec.dtype is DType.FP8:
         return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported ({FP8_MEASURED})", gp,
                       "triton", "dtype fp8 is forward only")
+    if not gp.has_backward:
+        return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
+                      "triton", f"the Gluon backward takes head_dim {' or '.join(map(str, BACKWARD_HEAD_DIMS))}")
     return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
                   *_choose_backward(spec, backend, bounded, _is_band(base)))
 
@@ -140,7 +146,7 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False, band: 
 def slower_than_triton(spec: Spec) -> str | None:
     """Why `auto` keeps a supported spec on the Triton generator (measured on the H100), or None."""
     if spec.head_dim not in AUTO_HEAD_DIMS:
-        return f"head_dim {spec.head_dim}: 0.90-0.93x the Triton forward at N=1024 on the H100 (1.09-1.16x from 4096)"
+        return HEAD_DIM_MEASURED.get(spec.head_dim, f"head_dim {spec.head_dim}: not measured against the Triton forward")
     if spec.score is not None:
         return "a score modification: 0.87-1.06x the Triton forward on the H100 (softcap)"
     return None

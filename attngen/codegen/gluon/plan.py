@@ -17,7 +17,10 @@ from ...plan import KernelPlan, Step
 from ...spec import DType, Expr, KVLayout, LoopOrder, Spec
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
-HEAD_DIMS = (64, 128)  # the head dims its kernels are written for (wgmma's K step is 16; 256 needs a smaller ring)
+HEAD_DIMS = (64, 128, 256)  # the head dims its forward is written for (wgmma's K step is 16)
+# the head dims of its backward: per consumer warpgroup dK and dV of 64 keys are 2 x 64 x d float32, d registers per
+# thread (256 at d = 256, beyond the 240 a consumer has); other head dims take the Triton backward
+BACKWARD_HEAD_DIMS = (64, 128)
 # Query rows per consumer warpgroup: one m64 wgmma row block. With 128 the score tile alone takes 128 registers
 # per thread and ptxas spilled 1.5-4 KB and serialized the wgmmas at d=128 (compiled for sm_90, BENCHMARKS.md).
 M_PER_WARPGROUP = 64
@@ -60,6 +63,7 @@ class GluonPlan:
     bwd_consumer_regs: int = 240
     dq_split: str = "d"
     bwd_steps: tuple[Step, ...] = ()
+    has_backward: bool = True  # False: the head dim has no Gluon backward (BACKWARD_HEAD_DIMS); the module holds the forward only
 
     @property
     def block_m(self) -> int:
@@ -77,6 +81,10 @@ class GluonPlan:
         lines += [f"  {s.what:<{width}}  {s.formula}  =>  {s.value}" for s in self.steps]
         lines.append(f"  partitions: load 1 warp ({self.load_regs} registers/thread), {self.consumers} consumer warpgroup(s) "
                      f"({self.consumer_regs} registers/thread); BLOCK_M={self.block_m} BLOCK_N={self.block_n} ring of {self.stages} K/V stages")
+        if not self.has_backward:
+            lines.append(f"gluon backward: none at head_dim {self.base.spec.head_dim} (dK and dV of 64 keys per warpgroup would take "
+                         f"{self.base.spec.head_dim} registers per thread): the Triton backward")
+            return "\n".join(lines)
         lines.append("gluon backward (FlashAttention-3 structure, sm_90):")
         width = max(len(s.what) for s in self.bwd_steps)
         lines += [f"  {s.what:<{width}}  {s.formula}  =>  {s.value}" for s in self.bwd_steps]
@@ -120,8 +128,9 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     steps = []
     consumers = 2
     steps.append(Step("consumer warpgroups", f"2 x {M_PER_WARPGROUP} query rows (one softmax under the other's products)", f"{consumers}"))
-    block_n = 128
-    steps.append(Step("BLOCK_N", "keys per tile: the wgmma's N (S: 64 x 128 float32 = 64 registers per thread)", f"{block_n}"))
+    block_n = 128 if d <= 128 else 64
+    steps.append(Step("BLOCK_N", "keys per tile: the wgmma's N (S: 64 x 128 float32 = 64 registers per thread; at head_dim > 128, 64 keys: "
+                                 "O takes d / 2 registers per thread and a K+V stage 4 d BLOCK_N bytes)", f"{block_n}"))
     q_bytes = consumers * M_PER_WARPGROUP * d * isz
     stage_bytes = 2 * block_n * d * isz
     smem = tgt.smem_per_block - SMEM_RESERVE
@@ -136,9 +145,10 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     steps.append(Step("key tiles visited", "a block pattern (sparsity = ...) leaves holes: only those not proved empty" if skip_empty else
                       "the range from the first to the last not proved empty (no holes in it: no branch)",
                       "not proved empty" if skip_empty else "range"))
-    bwd = _plan_backward(base, consumer_regs)
+    bwd = _plan_backward(base, consumer_regs) if d in BACKWARD_HEAD_DIMS else {"has_backward": False}
     piece = 0
-    if isinstance(spec.sparsity, Expr) and base.classify and max(consumers * M_PER_WARPGROUP, block_n, bwd["bwd_block_m"], bwd["bwd_block_n"]) > spec.sparse_block:
+    tiles = (consumers * M_PER_WARPGROUP, block_n, bwd.get("bwd_block_m", 0), bwd.get("bwd_block_n", 0))
+    if isinstance(spec.sparsity, Expr) and base.classify and max(tiles) > spec.sparse_block:
         whole, pieces, total = _empty_tiles(base, consumers * M_PER_WARPGROUP, block_n, spec.sparse_block)
         piece = spec.sparse_block if pieces - whole >= PIECES_MIN_GAIN * total else 0
         steps.append(Step("tile classes", f"by {spec.sparse_block} x {spec.sparse_block} pieces where that proves >= {PIECES_MIN_GAIN:.0%} more tiles empty "
