@@ -436,10 +436,10 @@ class Kernel:
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
         if descales is not None:
             extra["descales"] = descales
-        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
-            if varlen is not None:
-                return self.module.attention_forward(q, k, v, *inputs, **extra, varlen=varlen)
+        if varlen is None:
             return self._triton_forward(dims, extra, q, k, v, inputs)
+        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
+            return self.module.attention_forward(q, k, v, *inputs, **extra, varlen=varlen)
 
     def _backward_impl(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask,
                        input_grads: bool, varlen=None):
@@ -468,10 +468,8 @@ class Kernel:
         if input_grads and reads:
             extra["input_grads"] = True
         flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
-        backward = self.module.attention_backward
-        extra |= self._tiles("bwd", dims, flags, q.device, lambda t: backward(q, k, v, o, lse, do, dlse, *inputs, **extra, tiles=t))
-        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
-            dq, dk, dv, *terms = backward(q, k, v, o, lse, do, dlse, *inputs, **extra)  # with input_grads: the terms too
+        dq, dk, dv, *terms = self._run_triton("bwd", self.module.attention_backward, dims, flags, (q, k, v, o, lse, do, dlse, *inputs),
+                                              extra)  # with input_grads: the terms too
         if not input_grads:
             return dq, dk, dv, [t.new_empty(0) for t in floats]
         grads = _reduce_input_grads(self.spec, dims, dict(zip((d.name for d in self.spec.inputs), inputs)), reads, terms[0] if terms else [])
@@ -480,8 +478,15 @@ class Kernel:
     def _triton_forward(self, dims: _Dims, extra: dict, q, k, v, inputs):
         """The Triton generator's forward: O and the lse in log2 units, with the tuned tiles where the spec says auto."""
         flags = ("dropout",) if extra.get("dropout_p") else ()
-        tiles = self._tiles("fwd", dims, flags, q.device, lambda t: self.module.attention_forward(q, k, v, *inputs, **extra, tiles=t))
-        return self.module.attention_forward(q, k, v, *inputs, **extra, **tiles)
+        return self._run_triton("fwd", self.module.attention_forward, dims, flags, (q, k, v, *inputs), extra)
+
+    def _run_triton(self, phase: str, launcher, dims: _Dims, flags: tuple[str, ...], args: tuple, extra: dict):
+        """launcher(*args, **extra): a launcher of this kernel's Triton module for `phase` ("fwd" or "bwd"), with the
+        tuned tiles where the spec tunes (_tiles), under the interpreter's error state for CPU tensors (args[0])."""
+        device = args[0].device
+        extra = extra | self._tiles(phase, dims, flags, device, lambda t: launcher(*args, **extra, tiles=t))
+        with _interpreter_errstate() if device.type == "cpu" else contextlib.nullcontext():
+            return launcher(*args, **extra)
 
     def _twin(self) -> Kernel:
         """A bf16 spec's float32 kernels, which run its calls on CPU tensors. Triton's interpreter stores bf16 as raw
@@ -514,12 +519,8 @@ class Kernel:
             return kern.gluon.attention_forward(q, k, v, *inputs, **extra, positions=positions)
         if q.device.type == "cpu" and kern.spec.dtype is DType.BF16:
             kern, (q, k, v), inputs = kern._twin(), _up(q, k, v), _up(*inputs)
-        dims = _dims_of(q, k)
-        flags = ("dropout",) if dropout_p else ()
-        run = lambda t: kern.module.attention_forward(q, k, v, *inputs, **extra, positions=positions, out_dtype=torch.float32, tiles=t)
-        extra |= kern._tiles("fwd", dims, flags, q.device, run)
-        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
-            return kern.module.attention_forward(q, k, v, *inputs, **extra, positions=positions, out_dtype=torch.float32)
+        return kern._run_triton("fwd", kern.module.attention_forward, _dims_of(q, k), ("dropout",) if dropout_p else (), (q, k, v, *inputs),
+                                extra | {"positions": positions, "out_dtype": torch.float32})
 
     def _shard_backward(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, int, int, int]):
         """(dQ, dK, dV) of one shard pair (as _shard_forward's): the contributions of q's rows and k's keys to the
@@ -534,13 +535,8 @@ class Kernel:
                                                  grad_dtype=torch.float32)
         if q.device.type == "cpu" and kern.spec.dtype is DType.BF16:
             kern, (q, k, v, o, do), inputs = kern._twin(), _up(q, k, v, o, do), _up(*inputs)
-        dims = _dims_of(q, k)
-        flags = ("dropout",) if dropout_p else ()
-        backward = kern.module.attention_backward
-        run = lambda t: backward(q, k, v, o, lse, do, dlse, *inputs, **extra, positions=positions, grad_dtype=torch.float32, tiles=t)
-        extra |= kern._tiles("bwd", dims, flags, q.device, run)
-        with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
-            return backward(q, k, v, o, lse, do, dlse, *inputs, **extra, positions=positions, grad_dtype=torch.float32)
+        return kern._run_triton("bwd", kern.module.attention_backward, _dims_of(q, k), ("dropout",) if dropout_p else (),
+                                (q, k, v, o, lse, do, dlse, *inputs), extra | {"positions": positions, "grad_dtype": torch.float32})
 
     def _ops(self) -> _Ops:
         """This kernel's custom ops: what a call under torch.compile records (see _Ops)."""
@@ -916,7 +912,13 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
 def _is_sm90(device: torch.device) -> bool:
     """Gluon's kernels are Hopper's: a kernel planned for the H100 but called on another GPU (or the CPU) runs
     the Triton generator's forward, which Triton compiles for the device at hand."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and _capability(torch.cuda.current_device() if device.index is None else device.index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    """A GPU's compute capability, asked once (every call of a kernel asks which generator's kernels can run)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def _backend(backend: str | Backend | None) -> Backend | None:
