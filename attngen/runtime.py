@@ -484,8 +484,8 @@ class Kernel:
         """launcher(*args, **extra): a launcher of this kernel's Triton module for `phase` ("fwd" or "bwd"), with the
         tuned tiles where the spec tunes (_tiles), under the interpreter's error state for CPU tensors (args[0])."""
         device = args[0].device
-        extra = extra | self._tiles(phase, dims, flags, device, lambda t: launcher(*args, **extra, tiles=t))
-        with _interpreter_errstate() if device.type == "cpu" else contextlib.nullcontext():
+        with _interpreter_errstate() if device.type == "cpu" else contextlib.nullcontext():  # the tuner's runs too
+            extra = extra | self._tiles(phase, dims, flags, device, lambda t: launcher(*args, **extra, tiles=t))
             return launcher(*args, **extra)
 
     def _twin(self) -> Kernel:
