@@ -207,11 +207,15 @@ def test_which_generator_renders_the_backward():
     c = choose(sparse, plan(sparse, "h100"))
     assert (c.generator, c.backward, c.backward_for(65536)) == ("gluon", "triton", "triton") and "0.69-0.96x" in c.backward_reason
     assert choose(sparse, plan(sparse, "h100"), Backend.GLUON).backward == "gluon"
+    unordered = _spec("block_sparse_runtime", head_dim=128, deterministic=False)  # its waits are what cost: measured faster
+    assert choose(unordered, plan(unordered, "h100")).backward == "gluon"
     # tile classes from the input pre-pass (documents): likewise (the Gluon backward measured 0.70-0.80x of Triton's)
     docs = _spec("document", head_dim=128)
     c = choose(docs, plan(docs, "h100"))
     assert (c.generator, c.backward) == ("gluon", "triton") and "0.70-0.80x" in c.backward_reason
     assert choose(docs, plan(docs, "h100"), Backend.GLUON).backward == "gluon"
+    unordered_docs = _spec("document", head_dim=128, deterministic=False)
+    assert choose(unordered_docs, plan(unordered_docs, "h100")).backward == "triton"  # 0.90-0.94x unordered
     # band masks (a sliding window drops the corner of the last queries and the first keys): likewise (0.92-0.98x);
     # causal keeps that corner, and block patterns are not bands here (their Gluon backward measured faster)
     for name, band in (("sliding_window", True), ("local_window", True), ("causal", False), ("prefix_lm", False), ("local_global_blocks", False)):
@@ -219,6 +223,8 @@ def test_which_generator_renders_the_backward():
         c = choose(spec, plan(spec, "h100"))
         assert (c.backward == "triton") == band and ("a band mask" in c.backward_reason) == band, name
         assert choose(spec, plan(spec, "h100"), Backend.GLUON).backward == "gluon"
+        unordered = _spec(name, head_dim=128, deterministic=False)
+        assert choose(unordered, plan(unordered, "h100")).backward == "gluon", name
 
 
 def test_the_deterministic_setting():

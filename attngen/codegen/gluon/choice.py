@@ -98,17 +98,21 @@ SHORT_BACKWARD_MEASURED = "the Gluon backward measured 0.83-1.02x of it at 1024-
 # Runtime block sparsity (random 128 x 128 blocks, B=2 H=16 N=8192 d=128 on the H100; BENCHMARKS.md, 2026-11-26
 # session 10), the ordered Gluon backward against the Triton generator's: 1.30x with every block kept, but 0.96x at
 # half the blocks, 0.80x at a quarter, 0.69x at an eighth: a key tile's program waits at each query tile for the one
-# that adds before it, and with random lists those waits add up. Under auto such specs take the Triton backward.
+# that adds before it, and with random lists those waits add up. Under auto such specs take the Triton backward with
+# deterministic = true; the unordered Gluon backward (deterministic = false) measured 1.26-1.29x the Triton one at
+# 1/4-1/2 of the blocks kept (the same session's probe), so it is taken then.
 SPARSE_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.69-0.96x of it at 1/8-1/2 of the blocks kept on the H100"
 # Tile classes that read the input pre-pass (documents: doc[b, q_idx] == doc[b, kv_idx], causal inside; random
 # documents of 256-2048 tokens, N = 4096 and 16384, d = 128; BENCHMARKS.md, 2026-11-26 session 10): the Gluon
 # forward 1.04-1.07x the Triton generator's, the ordered Gluon backward 0.70-0.80x of it (each program scans its
-# query tiles' classes per head with the summaries' loads, under the register budget of dK and dV: it spills).
-BOUNDED_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.70-0.80x of it with a document mask on the H100"
+# query tiles' classes per head with the summaries' loads, under the register budget of dK and dV: it spills); the
+# unordered one 0.90-0.94x (the same session's probe): the Triton backward in both settings.
+BOUNDED_BACKWARD_MEASURED = "the Gluon backward measured 0.70-0.80x of it (0.90-0.94x unordered) with a document mask on the H100"
 # Band masks, which drop the corner of the last queries and the first keys (a sliding window: each key tile meets a
 # bounded run of query tiles, so a program's fixed costs weigh more): sliding window 1024, d = 128 (the same run),
 # the ordered Gluon backward 0.98x the Triton generator's at N = 4096 and 0.92x at 16384. Block patterns are not
-# counted as bands here (through Gluon their backward measured 1.3-4x the Triton generator's, session 5).
+# counted as bands here (through Gluon their backward measured 1.3-4x the Triton generator's, session 5). The
+# unordered Gluon backward (deterministic = false) measured 1.06-1.11x the Triton one: taken then.
 BAND_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.92-0.98x of it with a sliding window of 1024 on the H100"
 BAND_PROBE = 16384  # the length at which the corner tile is classified
 
@@ -124,18 +128,22 @@ def _is_band(base: KernelPlan) -> bool:
 
 def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False, band: bool = False) -> tuple[str, str, int]:
     """The backward of a spec whose forward is Gluon's: Gluon's (under auto, for calls of at least
-    AUTO_BACKWARD_MIN_KEYS keys; not for runtime block sparsity (SPARSE_BACKWARD_MEASURED), tile classes that
-    read the input pre-pass, `bounded` (BOUNDED_BACKWARD_MEASURED), nor band masks, `band` (BAND_BACKWARD_MEASURED),
-    where the Triton backward measured faster). With deterministic = true (the default) its programs add into
-    each dQ tile in a fixed order (a dQ warp waits for each addition's turn), so the gradients are
-    bit-reproducible; with deterministic = false in no fixed order, its last bits may vary between runs."""
-    if backend is Backend.AUTO and spec.sparsity == "runtime":
-        return "triton", f"auto, runtime block sparsity: the Triton backward ({SPARSE_BACKWARD_MEASURED}); backend = gluon takes it anyway", 0
+    AUTO_BACKWARD_MIN_KEYS keys; not where the Triton backward measured faster: tile classes that read the input
+    pre-pass, `bounded` (BOUNDED_BACKWARD_MEASURED), and with deterministic = true runtime block sparsity
+    (SPARSE_BACKWARD_MEASURED) and band masks, `band` (BAND_BACKWARD_MEASURED)). With deterministic = true (the
+    default) its programs add into each dQ tile in a fixed order (a dQ warp waits for each addition's turn), so
+    the gradients are bit-reproducible; with deterministic = false in no fixed order, its last bits may vary
+    between runs."""
+    ordered = spec.deterministic
+    if backend is Backend.AUTO and ordered and spec.sparsity == "runtime":
+        return ("triton", f"auto, runtime block sparsity: the Triton backward ({SPARSE_BACKWARD_MEASURED}; deterministic = false takes the "
+                          "unordered Gluon backward, 1.26-1.29x); backend = gluon takes it anyway", 0)
     if backend is Backend.AUTO and bounded:
         return ("triton", f"auto, tile classes from the inputs' per-chunk bounds: the Triton backward ({BOUNDED_BACKWARD_MEASURED}); "
                           "backend = gluon takes it anyway", 0)
-    if backend is Backend.AUTO and band:
-        return "triton", f"auto, a band mask: the Triton backward ({BAND_BACKWARD_MEASURED}); backend = gluon takes it anyway", 0
+    if backend is Backend.AUTO and ordered and band:
+        return ("triton", f"auto, a band mask: the Triton backward ({BAND_BACKWARD_MEASURED}; deterministic = false takes the unordered "
+                          "Gluon backward, 1.06-1.11x); backend = gluon takes it anyway", 0)
     min_keys = AUTO_BACKWARD_MIN_KEYS if backend is Backend.AUTO else 0
     if spec.deterministic:
         return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})", min_keys
