@@ -443,10 +443,10 @@ class _TileLowerer:
         dims = [size[i] if i != axis else chunks for i in range(len(size))]
         total = " * ".join(dims)
         if self.span is not None:
-            mn, mx = self._chunks_one_by_one(tiles, exact, axis, dims, total, chunks, c0, c1)
+            mn, mx = self._chunks_one_by_one(tiles, exact, dims, total, chunks, c0, c1)
             covered = self._new(f"{c1} - {c0} < {self.span}")
         else:
-            mn, mx = self._chunks_at_once(tiles, exact, axis, dims, total, chunks, c0, c1)
+            mn, mx = self._chunks_at_once(tiles, exact, dims, total, chunks, c0, c1)
             covered = self._new(f"{c1} - {c0} < TILE_SPAN")
         # unknown if the tile spans more chunks than were read; indices past the input's end read 0
         past_end = self._new(f"{hi} >= {size[axis]}")
@@ -462,7 +462,7 @@ class _TileLowerer:
             offset = f"{offset if offset.isidentifier() else f'({offset})'} * {dims[i]} + {index[i]}"
         return offset
 
-    def _chunks_at_once(self, tiles, exact, axis, dims, total, chunks, c0, c1):
+    def _chunks_at_once(self, tiles, exact, dims, total, chunks, c0, c1):
         """(min, max) over the chunks c0..c1 of a vector of tiles: TILE_SPAN chunks per tile as a second axis."""
         c = self._new(f"{c0}[:, None] + tl.arange(0, TILE_SPAN)[None, :]")
         offset = self._offset([exact.get(i, c) for i in range(len(dims))], dims)
@@ -473,7 +473,7 @@ class _TileLowerer:
         mx = self._new(f"tl.max(tl.where({ok}, {mx}, INT64_MIN), axis=1)")
         return mn, mx
 
-    def _chunks_one_by_one(self, tiles, exact, axis, dims, total, chunks, c0, c1):
+    def _chunks_one_by_one(self, tiles, exact, dims, total, chunks, c0, c1):
         """(min, max) over the chunks c0..c1 of tiles (scalars or vectors alike): `span` elementwise reads of the
         chunks c0, c0 + 1, ..., those past c1 or past the input's end left out."""
         mn = mx = None
@@ -481,10 +481,10 @@ class _TileLowerer:
             c = c0 if k == 0 else self._new(f"{c0} + {k}")
             offset = self._offset([exact.get(i, c) for i in range(len(dims))], dims)
             ok = self._new(f"{c} < {chunks}" if k == 0 else f"({c} <= {c1}) & ({c} < {chunks})")
-            lo = self._new(f"tl.where({ok}, tl.load({tiles} + {offset}, mask={ok}, other=0).to(tl.int64), INT64_MAX)")
-            hi = self._new(f"tl.where({ok}, tl.load({tiles} + {total} + {offset}, mask={ok}, other=0).to(tl.int64), INT64_MIN)")
-            mn = lo if mn is None else self._new(f"tl.minimum({mn}, {lo})")
-            mx = hi if mx is None else self._new(f"tl.maximum({mx}, {hi})")
+            chunk_min = self._new(f"tl.where({ok}, tl.load({tiles} + {offset}, mask={ok}, other=0).to(tl.int64), INT64_MAX)")
+            chunk_max = self._new(f"tl.where({ok}, tl.load({tiles} + {total} + {offset}, mask={ok}, other=0).to(tl.int64), INT64_MIN)")
+            mn = chunk_min if mn is None else self._new(f"tl.minimum({mn}, {chunk_min})")
+            mx = chunk_max if mx is None else self._new(f"tl.maximum({mx}, {chunk_max})")
         return mn, mx
 
     def number(self, e: Expr):
