@@ -193,7 +193,8 @@ class Kernel:
         `dropout` (0.0 at evaluation); `seed` fixes the pattern, which attngen.dropout_mask gives exactly: an
         int, or a one-element int64 tensor on q's device that the kernels read when they run (a captured CUDA graph
         replays with its value then); default: drawn on q's device from torch's generator, so torch.manual_seed
-        makes runs repeatable, under torch.compile too, and each replay of a CUDA graph draws a new pattern. `block_mask`: the kept blocks of a `sparsity = runtime` spec (see attngen.block_mask_from).
+        makes runs repeatable, under torch.compile too, and each replay of a CUDA graph draws a new pattern.
+        `block_mask`: the kept blocks of a `sparsity = runtime` spec (see attngen.block_mask_from).
 
         Packed sequences (flash_attn_varlen_func's layout and names): q (total_q, Hq, D), k and v (total_k, Hkv,
         D), sequence i's rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (int32, B + 1 entries, from 0 to total);

@@ -82,6 +82,8 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
         qp, kp = (t[0].transpose(0, 1).contiguous() for t in (q, k))
         cu = torch.zeros(batch + 1, dtype=torch.int32)
         calls.append((" varlen", (qp, kp, torch.empty_like(qp), torch.empty(qp.shape, dtype=torch.float32)), {"varlen": (cu, cu, q_len, kv_len)}))
+    # dropout compiled in (p > 0): the seed is a tensor the kernels read
+    dropout, on = module.dropout_args(0.1, torch.tensor([2**40 + 7]), q.device) if hasattr(module, "dropout_args") else (None, None)
     kernels = {}
     for tail, (q_, k_, o_, dq_), packed in calls:
         flag = {"VARLEN": True} if packed else {}
@@ -91,8 +93,7 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
                                                                                                  **packed, **extra), warps | flag)
             kernels[f"_bwd_delta{tail}"] = compile_kernel(module._bwd_delta, module.delta_launch_args(o_, o_, lse, None, stats, order, k_, *inputs,
                                                                                                     **packed, **extra), {"num_warps": 4} | flag)
-        if hasattr(module, "dropout_args"):  # dropout compiled in (p > 0): the seed is a tensor the kernels read
-            dropout, on = module.dropout_args(0.1, torch.tensor([2**40 + 7]), q.device)
+        if dropout is not None:
             kernels[f"_attn_fwd{tail} dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, dropout=dropout,
                                                                                                        **packed, **extra), warps | flag | on)
             if backward:

@@ -145,7 +145,7 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False, band: 
         return ("triton", f"auto, a band mask: the Triton backward ({BAND_BACKWARD_MEASURED}; deterministic = false takes the unordered "
                           "Gluon backward, 1.06-1.11x); backend = gluon takes it anyway", 0)
     min_keys = AUTO_BACKWARD_MIN_KEYS if backend is Backend.AUTO else 0
-    if spec.deterministic:
+    if ordered:
         return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})", min_keys
     return ("gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})",
             min_keys)
