@@ -43,7 +43,7 @@ class Launcher:
         if not isinstance(fn, triton.runtime.JITFunction) or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
             return fn[grid](*args, **self.options, **kwargs)
         device = driver.active.get_current_device()
-        key = (device, tuple(kwargs.items()), *map(specialization, args))
+        key = (device, tuple(kwargs.items()), *_specializations(args))
         found = self.kernels.get(key)
         if found is None:
             kernel = fn[grid](*args, **self.options, **kwargs)
@@ -57,6 +57,15 @@ class Launcher:
         kernel.run(grid_x, grid_y, grid_z, driver.active.get_current_stream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *args, *rest)
         return kernel
+
+
+def _specializations(args: tuple) -> list:
+    """[specialization(a) for a in args], with the cases most arguments are (plain ints: strides and sizes;
+    tensors) written out in place: a Python call per argument was half of a launch's host time for kernels of ~35
+    arguments (20 against 10 us on the 2-core CPU machine)."""
+    tensor = torch.Tensor
+    return [(a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63) if type(a) is int
+            else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is tensor else specialization(a) for a in args]
 
 
 def specialization(arg) -> Any:

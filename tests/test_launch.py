@@ -22,7 +22,7 @@ _KEY_CHECK = r'''
 import importlib.util, itertools, sys
 import torch
 from attngen.codegen.gluon.binaries import specialize
-from attngen.launch import specialization
+from attngen.launch import _specializations
 
 
 def load(path, name):
@@ -39,7 +39,7 @@ def check(by_key, name):
 
 def record(fn, args, kwargs, by_key):
     signature, constexprs, attrs, _ = specialize(fn, args, kwargs)
-    key = (tuple(kwargs.items()), *map(specialization, args))
+    key = (tuple(kwargs.items()), *_specializations(args))  # as Launcher keys a call
     by_key.setdefault(key, set()).add(repr((signature, constexprs, attrs)))
 
 
@@ -112,6 +112,17 @@ def test_equal_keys_mean_equal_specializations(tmp_path):
     assert set(counts) == {"gluon _attn_fwd", "triton _attn_fwd", "triton _attn_bwd_delta", "triton _attn_bwd_dq", "triton _attn_bwd_dkdv",
                            "triton _attn_decode", "triton _decode_combine"}
     assert int(counts["gluon _attn_fwd"]) >= 8 and all(int(n) >= (2 if name.endswith("combine") else 4) for name, n in counts.items()), counts
+
+
+def test_the_launch_key_specializes_each_argument_as_specialization_does():
+    """Launcher's key writes the common cases of `specialization` out in place (plain ints, plain tensors): the
+    same values for ints around every boundary Triton's binder looks at, bools (ints to Python), tensors at
+    aligned and unaligned addresses, a Parameter (a Tensor subclass), None, a float and a constexpr."""
+    base = torch.zeros(64)
+    args = [0, 1, 2, 15, 16, 17, -1, -16, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**63 - 1, 2**63, 2**64, True, False,
+            base, base[1:], base.to(torch.float16)[4:], torch.nn.Parameter(torch.zeros(3)), None, 0.5, triton.language.constexpr(16)]
+    assert launch._specializations(tuple(args)) == [launch.specialization(a) for a in args]
+    assert len({repr(s) for s in launch._specializations(tuple(args[:15]))}) >= 5  # the ints fall in several classes
 
 
 class _Kernel:
