@@ -25,6 +25,7 @@ from .codegen.gluon import choose as choose_generator
 from .codegen.gluon import plan_gluon
 from .codegen.triton import build_source
 from .errors import InputError, PlanError
+from .layout import empty_like_layout
 from .expr import SCORE_VARS, Scope, input_reads
 from .loader import check_device, load_module
 from .naive import evaluate
@@ -419,7 +420,8 @@ class Kernel:
         dims = _dims_of(q, k, varlen)
         out_dtype = torch.bfloat16 if self.spec.dtype is DType.FP8 else q.dtype
         if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
-            return q.new_zeros(q.shape, dtype=out_dtype), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+            o = q.new_zeros(q.shape, dtype=out_dtype) if varlen is not None else empty_like_layout(q, dtype=out_dtype).zero_()
+            return o, torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         if descales is not None and q.device.type == "cpu":
             # Triton 3.6's interpreter rounds float32 to e4m3 wrongly where rounding carries into the exponent (0.4917
             # becomes 0.25): on the CPU an FP8 call runs the float32 kernels on the dequantized inputs (P unrounded),
@@ -449,7 +451,8 @@ class Kernel:
         dims = _dims_of(q, k, varlen)
         floats = [t for t in inputs if t.is_floating_point()]
         if dims.empty:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), [torch.zeros_like(t) if input_grads else t.new_empty(0) for t in floats]
+            dq, dk, dv = (torch.zeros_like(t) if varlen is not None else empty_like_layout(t).zero_() for t in (q, k, v))
+            return dq, dk, dv, [torch.zeros_like(t) if input_grads else t.new_empty(0) for t in floats]
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
             dq, dk, dv, grads = self._twin()._backward_impl(*_up(q, k, v, o), lse, *_up(do), dlse, _up(*inputs), dropout_p, seed,
                                                              block_mask, input_grads, varlen)
@@ -816,12 +819,12 @@ def _fake_decode(q, k, v, inputs, kv_lens, q_lens, block_table):
 
 
 def _fake_forward(q, k, v, inputs, dropout_p, seed, block_mask):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)  # O laid out as the kernels lay it out
 
 
 def _fake_backward(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, input_grads):
     grads = [t.new_empty(t.shape if input_grads else (0,)) for t in inputs if t.is_floating_point()]
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
+    return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v), grads
 
 
 _AXES = ("b", "h", "q_idx", "kv_idx")  # the axes of a direct read's term buffer (B, H, Nq, Nk)

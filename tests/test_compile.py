@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
 from attngen import verify
@@ -99,6 +100,48 @@ def test_one_graph_for_every_length(device, target):
             assert torch.equal(fn(q, k, v), want)
         compiled.append(counter.frame_count)
     assert compiled[0] >= 2 and compiled == [compiled[0]] * 3  # graphs with grad and under no_grad, then none per size
+
+
+def test_outputs_are_laid_out_as_the_inputs_eager_and_under_compile(device, target):
+    """q, k, v as views of one fused projection (B, N, 3, H, D), as separate (B, N, H, D) tensors seen through
+    transpose(1, 2), and contiguous: O and dQ, dK, dV come back laid out as q, k, v came (attngen.layout: a (B, N, H,
+    D) memory for the first two, so o.transpose(1, 2).reshape(B, N, H * D) is a view), with the values of the
+    contiguous call bit for bit and within the float64 reference's budget; the compiled call (whose custom ops'
+    fake implementations must give the kernels' strides, or torch.compile stops) returns the same."""
+    kern = _kernel("causal", target)
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
+    gen = torch.Generator().manual_seed(0)
+    B, H, N, D = 2, 3, 40, 128
+    fused = torch.randn(B, N, 3, H, D, generator=gen).to(device=device, dtype=dtype)
+    do = torch.randn(B, N, H, D, generator=gen).to(device=device, dtype=dtype).transpose(1, 2)
+    layouts = {"fused": list(fused.permute(2, 0, 3, 1, 4)), "rows": [t.contiguous().transpose(1, 2) for t in fused.unbind(2)],
+               "contiguous": [t.transpose(1, 2).contiguous() for t in fused.unbind(2)]}
+    fn = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True, dynamic=True, backend="aot_eager")
+    results = {}
+    for name, tensors in layouts.items():
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        for how, call in (("eager", kern), ("compiled", fn)):
+            out = call(*leaves)
+            grads = torch.autograd.grad(out, leaves, do)
+            for got in (out, *grads):
+                rows = name != "contiguous"
+                assert (got.transpose(1, 2) if rows else got).is_contiguous(), (name, how, got.stride())
+            results[name, how] = (out, *grads)
+        # the custom ops' fake implementations (what torch.compile's graphs are built from) give the kernels' strides
+        ops, (o, dq, dk, dv) = kern._ops(), results[name, "eager"]
+        with FakeTensorMode() as mode:
+            fakes = [mode.from_tensor(t) for t in (*tensors, o, do)]
+            fake_o, fake_lse = ops.forward(*fakes[:3], [], 0.0, None, None)
+            fake_grads = ops.backward(*fakes[:3], fake_o, fake_lse, fakes[4], None, [], 0.0, None, None, False)[:3]
+        for fake, real in zip((fake_o, *fake_grads), (o, dq, dk, dv)):
+            assert fake.shape == real.shape and fake.stride() == real.stride(), (name, fake.stride(), real.stride())
+    wide = [t.detach().double().requires_grad_() for t in layouts["contiguous"]]
+    ref = attngen.reference(kern.spec, *wide, dtype=torch.float64)
+    want = (ref, *torch.autograd.grad(ref, wide, do.double()))
+    for key, got in results.items():
+        for g, c, w in zip(got, results["contiguous", "eager"], want):
+            assert torch.equal(g, c), key
+            assert not torch.isnan(g).any() and (g.double() - w).abs().max().item() <= 2e-2 * max(1.0, w.abs().max().item()), key
 
 
 def test_return_lse_and_its_gradient_under_compile(device, target):

@@ -24,6 +24,7 @@ from attngen.cli import main
 from attngen.codegen.gluon import choose, plan_gluon, render, unsupported
 from attngen.codegen.gluon.lower import Untranslatable, translate
 from attngen.errors import PlanError
+from attngen.layout import heads_in_rows
 from attngen.plan import plan
 from attngen.spec import Backend, DType
 
@@ -415,6 +416,94 @@ def test_gluon_backward_matches_the_reference(name, deterministic, device):
         assert torch.equal(o1, o2) and torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
         assert not torch.isnan(dq1).any() and torch.allclose(dq1.float(), dq2.float(), rtol=0, atol=1e-2)
         assert torch.equal(dq1, dq2) or not deterministic
+
+
+def _layouts(B, Hq, Hkv, N, D, dtype, device, gen):
+    """{name: (q, k, v)} of one set of values in the layouts callers hand over: contiguous; (B, N, H, D) memories seen
+    through transpose(1, 2) (attention layers, flash_attn's layout); q, k, v viewed out of one fused projection (B, N,
+    Hq + 2 Hkv, D); q in rows with k, v contiguous (a KV cache); k in rows, v contiguous."""
+    q, k, v = (torch.randn(B, h, N, D, device=device, dtype=dtype, generator=gen) for h in (Hq, Hkv, Hkv))
+    rows = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)
+    fused = torch.cat([t.transpose(1, 2) for t in (q, k, v)], dim=2).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D) view
+    return {"contiguous": (q, k, v), "rows": (rows(q), rows(k), rows(v)),
+            "fused": (fused[:, :Hq], fused[:, Hq:Hq + Hkv], fused[:, Hq + Hkv:]),
+            "q rows, kv contiguous": (rows(q), k, v), "k rows, v contiguous": (q, rows(k), v)}
+
+
+def test_descriptors_address_every_layout_where_the_kernels_index_it():
+    """The contract between the Gluon module's host code and its kernels, on the CPU: _tma_ready leaves a tensor
+    where it is when TMA can read it (contiguous, or a row holding every head at 16-byte strides) and copies it
+    otherwise (in the layout attngen.layout gives outputs), and the descriptor _descriptor makes for it, indexed as the kernels index it (planes: (b * H + h, n,
+    d); rows: (b, n, h * D + d)), lands on each element's own address, inside its bounds, at strides TMA takes.
+    _empty_as and _as_layout give dense tensors of the layout they are asked for, with the values kept."""
+    g = attngen.compile(_spec("causal"), "h100", backend="gluon").gluon
+    gen = torch.Generator().manual_seed(0)
+    cases = {f"{name}: {what}": (t, False) for name, ts in _layouts(2, 4, 2, 33, 128, torch.bfloat16, "cpu", gen).items()
+             for what, t in zip("qkv", ts)}
+    for B, N, H in ((2, 5, 1), (2, 1, 4), (1, 7, 4)):  # sizes of 1: one head, one row, one sequence
+        fused = torch.randn(B, N, 3, H, 128, generator=gen).to(torch.bfloat16)
+        cases[f"fused, B={B} N={N} H={H}"] = (fused[:, :, 1].transpose(1, 2), False)
+    wide = torch.randn(2, 33, 4, 136, generator=gen).to(torch.bfloat16)
+    cases["rows of 136 elements, not 16-byte units"] = (wide[..., :128].transpose(1, 2), True)
+    flat = torch.randn(2 * 4 * 33 * 128 + 1, generator=gen).to(torch.bfloat16)
+    cases["not 16-byte aligned"] = (flat[1:].view(2, 4, 33, 128), True)
+    cases["heads apart"] = (torch.randn(2, 33, 4, 256, generator=gen).to(torch.bfloat16)[..., ::2].transpose(1, 2), True)
+    for name, (t, copies) in cases.items():
+        ready = g._tma_ready(t)
+        assert torch.equal(ready, t) and (ready.data_ptr() != t.data_ptr()) == copies, name
+        assert heads_in_rows(ready) == heads_in_rows(t), name  # a copy keeps the layout outputs follow (attngen.layout)
+        flag = g._in_rows(ready)
+        desc = g._descriptor(ready, 64, flag)
+        B, H, N, D = ready.shape
+        size = ready.element_size()
+        assert all(s > 0 and s * size % 16 == 0 for s in desc.strides[:-1]) and desc.strides[-1] == 1, (name, desc.strides)
+        for b, h, n, d in {(0, 0, 0, 0), (B - 1, H - 1, N - 1, D - 1), (B - 1, 0, N // 2, 7), (0, H - 1, 1 % N, D // 2)}:
+            coord = (b, n, h * D + d) if flag else (b * H + h, n, d)
+            assert all(0 <= c < s for c, s in zip(coord, desc.shape)), (name, coord, desc.shape)
+            at = desc.base.data_ptr() + sum(c * s for c, s in zip(coord, desc.strides)) * size
+            assert at == ready[b, h, n, d].data_ptr(), (name, (b, h, n, d))
+    t = cases["fused: k"][0]
+    for flag in (0, 1):
+        fresh = g._empty_as(t.shape, torch.float32, "cpu", flag, zeros=True)
+        assert fresh.shape == t.shape and not fresh.any()
+        assert (fresh.transpose(1, 2) if flag else fresh).is_contiguous()
+        laid = g._as_layout(t, flag)
+        assert torch.equal(laid, t) and (laid.transpose(1, 2) if flag else laid).is_contiguous()
+        assert g._as_layout(laid, flag) is laid
+
+
+@pytest.mark.parametrize("name", ["causal", "dense", "causal_dropout"])
+def test_gluon_reads_q_k_v_in_the_layout_they_come_in(name, device):
+    """Forward and backward through Gluon on q, k, v in every layout of _layouts, GQA, with lengths that end inside
+    a tile: O and every gradient bit-identical to the call on contiguous copies (the same kernels, addressed
+    otherwise) and within the float64 reference's budget; O comes back laid out as q (a (B, N, H, D) memory for
+    q in rows). Also one head, and one row."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    kern = attngen.compile(_spec(name), backend="gluon")
+    assert (kern.generator.generator, kern.generator.backward) == ("gluon", "gluon")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    extra = {"seed": 11} if kern.spec.dropout else {}
+    d = kern.spec.head_dim
+    for B, Hq, Hkv, N in ((2, 4, 2, 200), (3, 1, 1, 130), (2, 4, 2, 1)):
+        cases = _layouts(B, Hq, Hkv, N, d, torch.bfloat16, "cuda", gen)
+        do = torch.randn(B, N, Hq, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+        results = {}
+        for layout, tensors in cases.items():
+            leaves = [t.detach().requires_grad_() for t in tensors]
+            out = kern(*leaves, **extra)
+            results[layout] = (out, *torch.autograd.grad(out, leaves, do))
+            if not leaves[0].is_contiguous():  # q read in rows: O in a (B, N, Hq, D) memory
+                assert out.transpose(1, 2).is_contiguous(), (layout, out.stride())
+        wide = [t.detach().double().requires_grad_() for t in cases["contiguous"]]
+        dropout = {"dropout_p": kern.spec.dropout, "seed": 11} if kern.spec.dropout else {}
+        ref = attngen.reference(kern.spec, *wide, dtype=torch.float64, **dropout)
+        ref_all = (ref, *torch.autograd.grad(ref, wide, do.double()))
+        for layout, got in results.items():
+            for what, g_, c_, want in zip("O dQ dK dV".split(), got, results["contiguous"], ref_all):
+                assert torch.equal(g_, c_), (name, (B, Hq, Hkv, N), layout, what)
+                assert torch.isfinite(g_).all()
+                assert (g_.double() - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item()), (layout, what)
 
 
 @pytest.mark.parametrize("name", ["dense", "causal"])

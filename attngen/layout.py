@@ -1,0 +1,29 @@
+"""How attngen lays out what it returns: O and the gradients dQ, dK, dV follow the memory layout of q, k, v.
+
+Attention layers make q, k, v as (B, N, H, D) tensors seen through transpose(1, 2) (a projection's output viewed
+per head), or as views of one fused projection (B, N, 3, H, D). PyTorch's fused attention returns O laid out as
+such a q (a contiguous (B, N, H, D) memory), so `o.transpose(1, 2).reshape(B, N, H * D)` is a view, not a copy.
+attngen does the same, by one rule that reads only shapes and strides: a torch.compile fake tensor has those, so
+the custom ops' fake implementations (attngen.runtime) lay out their outputs exactly as the kernels do.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def heads_in_rows(t: torch.Tensor) -> bool:
+    """Whether t (B, H, N, D) keeps every head of a token in one row of memory: t is not contiguous, its elements
+    are contiguous along D and its heads D apart (or it has one head). Outputs made for such a t are contiguous
+    (B, N, H, D) memories seen through transpose(1, 2); for any other t, contiguous."""
+    return t.dim() == 4 and not t.is_contiguous() and t.stride(3) == 1 and (t.stride(1) == t.shape[3] or t.shape[1] == 1)
+
+
+def empty_like_layout(t: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialized tensor of `shape` (default t's; (B, H, N, D)) and `dtype` (default t's) on t's device, laid
+    out for t as heads_in_rows says."""
+    shape = tuple(t.shape if shape is None else shape)
+    dtype = t.dtype if dtype is None else dtype
+    if heads_in_rows(t):
+        batch, heads, n, d = shape
+        return torch.empty((batch, n, heads, d), device=t.device, dtype=dtype).transpose(1, 2)
+    return torch.empty(shape, device=t.device, dtype=dtype)
