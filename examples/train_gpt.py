@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                  # a GPU: 500 steps per run (under 10 s of training each on an H100)
     python examples/train_gpt.py --compile        # the same under torch.compile(fullgraph=True)
+    python examples/train_gpt.py --compile --compile-mode reduce-overhead   # ... with CUDA graphs (no host time per call)
     python examples/train_gpt.py --smoke          # the CPU: 2 steps of a tiny model, kernels in Triton's interpreter
 
 The runs (each starts from the same initial weights and sees the same batches in the same order):
@@ -39,6 +40,8 @@ ap.add_argument("--batch", type=int, default=16, help="sequences per step")
 ap.add_argument("--lr", type=float, default=1e-3)
 ap.add_argument("--runs", nargs="+", default=["sdpa", "attngen", "window_softcap"], choices=["sdpa", "attngen", "window_softcap"])
 ap.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True) for every run")
+ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune"],
+                help="torch.compile's mode (reduce-overhead: CUDA graphs, which take the host's time per call away)")
 ap.add_argument("--corpus-mb", type=float, default=4.0)
 ap.add_argument("--eval-every", type=int, default=100)
 ap.add_argument("--seed", type=int, default=0)
@@ -144,7 +147,7 @@ def held_out_loss(model, data: torch.Tensor) -> float:
 def train(run: str, train_data: torch.Tensor, val_data: torch.Tensor, initial: dict) -> dict:
     model = GPT(args.layers, args.heads, args.context, attention(run)).to(DEVICE)
     model.load_state_dict(initial)
-    step_fn = torch.compile(model, fullgraph=True) if args.compile else model
+    step_fn = torch.compile(model, fullgraph=True, mode=args.compile_mode) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -178,8 +181,9 @@ def main():
     torch.manual_seed(args.seed)
     initial = GPT(args.layers, args.heads, args.context, None).state_dict()
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton's interpreter)"
+    compiled = f", torch.compile (mode {args.compile_mode or 'default'})" if args.compile else ""
     print(f"{name}; torch {torch.__version__}; {len(data)} bytes of corpus; {args.layers} layers x {args.heads} heads x {HEAD_DIM}, "
-          f"{args.batch} x {args.context} tokens per step, {args.steps} steps{', torch.compile' if args.compile else ''}")
+          f"{args.batch} x {args.context} tokens per step, {args.steps} steps{compiled}")
     results = {}
     for run in args.runs:
         results[run] = train(run, data[:split], data[split:], initial)

@@ -90,9 +90,12 @@ BACKWARD_MEASURED = {True: "1.01-1.41x the Triton backward on the H100", False: 
 # ... but not on short sequences: the raw launchers in one process, alternating (the same conditions; BENCHMARKS.md,
 # 2026-11-25 (session 5)), the ordered Gluon backward ÷ the Triton backward was 0.86 / 0.83 (dense / causal) at
 # N = 1024, 1.02 / 0.95 at 2048, 1.06 / 1.02 at 3072, 1.11 / 1.04 at 4096 (d = 128). So under auto a call with fewer
-# keys takes the Triton backward (bit-reproducible too; it reads the Gluon forward's O and lse as they are).
+# keys takes the Triton backward (bit-reproducible too; it reads the Gluon forward's O and lse as they are). Not
+# the unordered one (deterministic = false): the same kind of run (BENCHMARKS.md, 2026-11-26 session 11) measured it
+# 1.13 / 1.07x the Triton backward (dense / causal) at N = 1024, 1.19 / 1.16x at 2048, 1.22 / 1.16x at 4096 (the
+# ordered one 0.91 / 0.94x, 0.99 / 1.03x, 1.06 / 1.07x), so with deterministic = false it runs at every length.
 AUTO_BACKWARD_MIN_KEYS = 3072
-SHORT_BACKWARD_MEASURED = "the Gluon backward measured 0.83-1.02x of it at 1024-2048 keys on the H100"
+SHORT_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.83-1.03x of it at 1024-2048 keys on the H100"
 
 
 # Runtime block sparsity (random 128 x 128 blocks, B=2 H=16 N=8192 d=128 on the H100; BENCHMARKS.md, 2026-11-26
@@ -127,8 +130,8 @@ def _is_band(base: KernelPlan) -> bool:
 
 
 def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False, band: bool = False) -> tuple[str, str, int]:
-    """The backward of a spec whose forward is Gluon's: Gluon's (under auto, for calls of at least
-    AUTO_BACKWARD_MIN_KEYS keys; not where the Triton backward measured faster: tile classes that read the input
+    """The backward of a spec whose forward is Gluon's: Gluon's (under auto with deterministic = true, for calls
+    of at least AUTO_BACKWARD_MIN_KEYS keys; not where the Triton backward measured faster: tile classes that read the input
     pre-pass, `bounded` (BOUNDED_BACKWARD_MEASURED), and with deterministic = true runtime block sparsity
     (SPARSE_BACKWARD_MEASURED) and band masks, `band` (BAND_BACKWARD_MEASURED)). With deterministic = true (the
     default) its programs add into each dQ tile in a fixed order (a dQ warp waits for each addition's turn), so
@@ -144,7 +147,7 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False, band: 
     if backend is Backend.AUTO and ordered and band:
         return ("triton", f"auto, a band mask: the Triton backward ({BAND_BACKWARD_MEASURED}; deterministic = false takes the unordered "
                           "Gluon backward, 1.06-1.11x); backend = gluon takes it anyway", 0)
-    min_keys = AUTO_BACKWARD_MIN_KEYS if backend is Backend.AUTO else 0
+    min_keys = AUTO_BACKWARD_MIN_KEYS if backend is Backend.AUTO and ordered else 0
     if ordered:
         return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})", min_keys
     return ("gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})",
