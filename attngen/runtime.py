@@ -25,8 +25,8 @@ from .codegen.gluon import choose as choose_generator
 from .codegen.gluon import plan_gluon
 from .codegen.triton import build_source
 from .errors import InputError, PlanError
-from .layout import empty_like_layout
 from .expr import SCORE_VARS, Scope, input_reads
+from .layout import empty_like_layout
 from .loader import check_device, load_module
 from .naive import evaluate
 from .plan import KernelPlan, effective_mask

@@ -139,6 +139,26 @@ def test_the_fp8_kernel_applies_its_descale_factors(spec, granularity):
     assert torch.equal(doubled, o * 2)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_o_is_laid_out_as_q_came(head_dim, device):
+    """q, k, v quantized, then seen through transpose(1, 2) of (B, N, H, D) memories, as attention layers hand them
+    over: O equals the call on contiguous tensors bit for bit and comes back laid out as such a q (attngen.layout),
+    on the CPU (the float32 kernels on the dequantized inputs) and on a GPU (at head_dim 128 the Gluon FP8 forward,
+    which reads FP8 inputs contiguous and stores O so, then lays it out as q came)."""
+    spec = f"attention f8_{head_dim} {{ head_dim = {head_dim} dtype = fp8 mask = q_idx >= kv_idx }}"
+    kern = attngen.compile(spec, "h100" if device == "cpu" else None)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, h, N, head_dim, generator=gen) for h in (HQ, HKV, HKV))
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q, kv_heads=HKV), fp8.quantize(k), fp8.quantize(v)
+    tensors = [t.to(device) for t in (q8, k8, v8)]
+    scales = {"q_descale": qd.to(device), "k_descale": kd.to(device), "v_descale": vd.to(device)}
+    rows = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in tensors]
+    with torch.no_grad():
+        want, got = kern(*tensors, **scales), kern(*rows, **scales)
+    assert not torch.isnan(got).any() and torch.equal(got, want)
+    assert got.transpose(1, 2).is_contiguous() and want.is_contiguous()
+
+
 def test_the_reference_models_the_rounding_of_p():
     kern = attngen.compile(CAUSAL, "h100")
     (q8, k8, v8), scales = _quantized()
@@ -268,11 +288,11 @@ def test_what_an_fp8_cache_call_refuses():
 
 
 @pytest.mark.parametrize("text", [CAUSAL, KV_FP8.format(extra=""), KV_FP8.format(extra="kv_layout = paged page_size = 16")])
-def test_attngen_check_takes_fp8_specs(text):
+def test_attngen_check_takes_fp8_specs(text, device):
     """`attngen check` (attngen.verify) quantizes the inputs of an FP8 spec, or fills FP8 caches, and checks the
     forward against float64 of the dequantized values; FP8 has no backward to check."""
     from attngen import verify
 
-    kern = attngen.compile(text, "h100")
-    res = verify.check_one(kern, (2, 4, 2, 17, 33), "cpu")
+    kern = attngen.compile(text, "h100" if device == "cpu" else None)
+    res = verify.check_one(kern, (2, 4, 2, 17, 33), device)
     assert res.ok and not res.nan and set(res.errors) == {"out", "lse"}, res.errors
