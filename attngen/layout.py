@@ -21,7 +21,7 @@ def heads_in_rows(t: torch.Tensor) -> bool:
 def empty_like_layout(t: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An uninitialized tensor of `shape` (default t's; (B, H, N, D)) and `dtype` (default t's) on t's device, laid
     out for t as heads_in_rows says."""
-    shape = tuple(t.shape if shape is None else shape)
+    shape = t.shape if shape is None else shape
     dtype = t.dtype if dtype is None else dtype
     if heads_in_rows(t):
         batch, heads, n, d = shape
