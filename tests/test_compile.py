@@ -120,11 +120,11 @@ def test_outputs_are_laid_out_as_the_inputs_eager_and_under_compile(device, targ
     results = {}
     for name, tensors in layouts.items():
         leaves = [t.detach().requires_grad_() for t in tensors]
+        rows = name != "contiguous"
         for how, call in (("eager", kern), ("compiled", fn)):
             out = call(*leaves)
             grads = torch.autograd.grad(out, leaves, do)
             for got in (out, *grads):
-                rows = name != "contiguous"
                 assert (got.transpose(1, 2) if rows else got).is_contiguous(), (name, how, got.stride())
             results[name, how] = (out, *grads)
         # the custom ops' fake implementations (what torch.compile's graphs are built from) give the kernels' strides

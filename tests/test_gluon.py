@@ -435,9 +435,10 @@ def _layouts(B, Hq, Hkv, N, D, dtype, device, gen):
 def test_descriptors_address_every_layout_where_the_kernels_index_it():
     """The contract between the Gluon module's host code and its kernels, on the CPU: _tma_ready leaves a tensor
     where it is when TMA can read it (contiguous, or a row holding every head at 16-byte strides) and copies it
-    otherwise (in the layout attngen.layout gives outputs), and the descriptor _descriptor makes for it, indexed as the kernels index it (planes: (b * H + h, n,
-    d); rows: (b, n, h * D + d)), lands on each element's own address, inside its bounds, at strides TMA takes.
-    _empty_as and _as_layout give dense tensors of the layout they are asked for, with the values kept."""
+    otherwise (in the layout attngen.layout gives outputs), and the descriptor _descriptor makes for it, indexed
+    as the kernels index it (planes: (b * H + h, n, d); rows: (b, n, h * D + d)), lands on each element's own
+    address, inside its bounds, at strides TMA takes. _empty_as and _as_layout give dense tensors of the layout
+    they are asked for, with the values kept."""
     g = attngen.compile(_spec("causal"), "h100", backend="gluon").gluon
     gen = torch.Generator().manual_seed(0)
     cases = {f"{name}: {what}": (t, False) for name, ts in _layouts(2, 4, 2, 33, 128, torch.bfloat16, "cpu", gen).items()
