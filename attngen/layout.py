@@ -21,9 +21,13 @@ def heads_in_rows(t: torch.Tensor) -> bool:
 def empty_like_layout(t: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An uninitialized tensor of `shape` (default t's; (B, H, N, D)) and `dtype` (default t's) on t's device, laid
     out for t as heads_in_rows says."""
-    shape = t.shape if shape is None else shape
-    dtype = t.dtype if dtype is None else dtype
-    if heads_in_rows(t):
+    return empty_laid_out(t.shape if shape is None else shape, t.dtype if dtype is None else dtype, t.device, heads_in_rows(t))
+
+
+def empty_laid_out(shape, dtype: torch.dtype, device, in_rows: bool) -> torch.Tensor:
+    """An uninitialized (B, H, N, D) tensor, contiguous, or (in_rows) a contiguous (B, N, H, D) memory seen through
+    transpose(1, 2)."""
+    if in_rows:
         batch, heads, n, d = shape
-        return torch.empty((batch, n, heads, d), device=t.device, dtype=dtype).transpose(1, 2)
-    return torch.empty(shape, device=t.device, dtype=dtype)
+        return torch.empty((batch, n, heads, d), device=device, dtype=dtype).transpose(1, 2)
+    return torch.empty(shape, device=device, dtype=dtype)

@@ -24,7 +24,7 @@ from attngen.cli import main
 from attngen.codegen.gluon import choose, plan_gluon, render, unsupported
 from attngen.codegen.gluon.lower import Untranslatable, translate
 from attngen.errors import PlanError
-from attngen.layout import heads_in_rows
+from attngen.layout import empty_laid_out, heads_in_rows
 from attngen.plan import plan
 from attngen.spec import Backend, DType
 
@@ -437,7 +437,7 @@ def test_descriptors_address_every_layout_where_the_kernels_index_it():
     where it is when TMA can read it (contiguous, or a row holding every head at 16-byte strides) and copies it
     otherwise (in the layout attngen.layout gives outputs), and the descriptor _descriptor makes for it, indexed
     as the kernels index it (planes: (b * H + h, n, d); rows: (b, n, h * D + d)), lands on each element's own
-    address, inside its bounds, at strides TMA takes. _empty_as and _as_layout give dense tensors of the layout
+    address, inside its bounds, at strides TMA takes. empty_laid_out and _as_layout give dense tensors of the layout
     they are asked for, with the values kept."""
     g = attngen.compile(_spec("causal"), "h100", backend="gluon").gluon
     gen = torch.Generator().manual_seed(0)
@@ -467,7 +467,7 @@ def test_descriptors_address_every_layout_where_the_kernels_index_it():
             assert at == ready[b, h, n, d].data_ptr(), (name, (b, h, n, d))
     t = cases["fused: k"][0]
     for flag in (0, 1):
-        fresh = g._empty_as(t.shape, torch.float32, "cpu", flag, zeros=True)
+        fresh = empty_laid_out(t.shape, torch.float32, "cpu", flag).zero_()
         assert fresh.shape == t.shape and not fresh.any()
         assert (fresh.transpose(1, 2) if flag else fresh).is_contiguous()
         laid = g._as_layout(t, flag)
