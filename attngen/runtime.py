@@ -457,7 +457,7 @@ class Kernel:
             dq, dk, dv, grads = self._twin()._backward_impl(*_up(q, k, v, o), lse, *_up(do), dlse, _up(*inputs), dropout_p, seed,
                                                              block_mask, input_grads, varlen)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
-        if self.generator.backward_for(dims.kv_len) == "gluon" and not input_grads and _is_sm90(q.device):
+        if self.generator.backward == "gluon" and not input_grads and _is_sm90(q.device):
             # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py; packed sequences by
             # their longest keys); input gradients are the Triton kernels'
             dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device),
@@ -534,7 +534,7 @@ class Kernel:
         lse = lse.contiguous()  # the kernels index the lse (and dlse) as (B, H, rows) rows
         dlse = None if dlse is None else dlse.contiguous()
         extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
-        if kern.generator.backward_for(k.shape[2]) == "gluon" and _is_sm90(q.device):  # dK, dV in k's and v's element type
+        if kern.generator.backward == "gluon" and _is_sm90(q.device):  # dK, dV in k's and v's element type
             return kern.gluon.attention_backward(q, k, v, o.contiguous(), lse, do.contiguous(), dlse, *inputs, **extra, positions=positions,
                                                  grad_dtype=torch.float32)
         if q.device.type == "cpu" and kern.spec.dtype is DType.BF16:

@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import PlanError
-from ...intervals import Truth, tile_env, truth
 from ...plan import KernelPlan
-from ...spec import Backend, DType, Expr, Spec
+from ...spec import Backend, DType, Spec
 from .lower import Untranslatable
 from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
 from .render import context
@@ -33,19 +32,12 @@ class Choice:
     gluon: GluonPlan | None = None
     backward: str = "triton"  # the generator of the backward ("gluon" only with a Gluon forward: one module)
     backward_reason: str = ""
-    backward_min_keys: int = 0  # calls with fewer keys take the Triton backward (auto: measured faster there)
-
-    def backward_for(self, kv_len: int) -> str:
-        """The generator of a call's backward, by its number of keys."""
-        return "triton" if self.backward == "gluon" and kv_len < self.backward_min_keys else self.backward
 
     def describe(self) -> str:
         """`attngen plan`'s line: which generator renders each pass, and why."""
         line = f"{self.generator} forward ({self.reason})"
         if self.generator == "gluon":
             line += f"; {self.backward} backward ({self.backward_reason})"
-        if self.backward == "gluon" and self.backward_min_keys:
-            line += f", from {self.backward_min_keys} keys; below, the Triton backward ({SHORT_BACKWARD_MEASURED})"
         return line
 
 
@@ -79,79 +71,47 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
         return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
                       "triton", f"the Gluon backward takes head_dim {' or '.join(map(str, BACKWARD_HEAD_DIMS))}")
     return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
-                  *_choose_backward(spec, backend, bounded, _is_band(base)))
+                  *_choose_backward(spec, backend, bounded))
 
 
-# The Gluon backward against the Triton generator's on the H100 (raw launchers, same inputs, bf16, B*N = 16384,
-# H*d = 2048; BENCHMARKS.md, 2026-11-25 (session 4)): with dQ added in a fixed order (a dQ warp adds each part
-# in its turn), 1.01-1.16x at head_dim 128 and 1.26-1.41x at 64 (dense and causal, N = 4096 and 16384); in no
-# fixed order, 1.16-1.31x and 1.21-1.40x.
-BACKWARD_MEASURED = {True: "1.01-1.41x the Triton backward on the H100", False: "1.16-1.40x the Triton backward on the H100"}
-# ... but not on short sequences: the raw launchers in one process, alternating (the same conditions; BENCHMARKS.md,
-# 2026-11-25 (session 5)), the ordered Gluon backward ÷ the Triton backward was 0.86 / 0.83 (dense / causal) at
-# N = 1024, 1.02 / 0.95 at 2048, 1.06 / 1.02 at 3072, 1.11 / 1.04 at 4096 (d = 128). So under auto a call with fewer
-# keys takes the Triton backward (bit-reproducible too; it reads the Gluon forward's O and lse as they are). Not
-# the unordered one (deterministic = false): the same kind of run (BENCHMARKS.md, 2026-11-26 session 11) measured it
-# 1.13 / 1.07x the Triton backward (dense / causal) at N = 1024, 1.19 / 1.16x at 2048, 1.22 / 1.16x at 4096 (the
-# ordered one 0.91 / 0.94x, 0.99 / 1.03x, 1.06 / 1.07x), so with deterministic = false it runs at every length.
-AUTO_BACKWARD_MIN_KEYS = 3072
-SHORT_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.83-1.03x of it at 1024-2048 keys on the H100"
-
-
-# Runtime block sparsity (random 128 x 128 blocks, B=2 H=16 N=8192 d=128 on the H100; BENCHMARKS.md, 2026-11-26
-# session 10), the ordered Gluon backward against the Triton generator's: 1.30x with every block kept, but 0.96x at
-# half the blocks, 0.80x at a quarter, 0.69x at an eighth: a key tile's program waits at each query tile for the one
-# that adds before it, and with random lists those waits add up. Under auto such specs take the Triton backward with
-# deterministic = true; the unordered Gluon backward (deterministic = false) measured 1.26-1.29x the Triton one at
-# 1/4-1/2 of the blocks kept (the same session's probe), so it is taken then.
-SPARSE_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.69-0.96x of it at 1/8-1/2 of the blocks kept on the H100"
+# The Gluon backward against the Triton generator's on the H100 (benchmarks/backward_choice.py: through autograd, the
+# same inputs, bf16, B*N = 16384, H*d = 2048; BENCHMARKS.md, 2026-11-26 session 12), d = 128, dense and causal,
+# 1024-4096 keys: with dQ added in a fixed order (a dQ warp per consumer warpgroup adds its parts, each in its turn)
+# 1.00-1.19x (1.00x: causal at 1024 keys), in no fixed order 1.05-1.27x. (Before session 12 one dQ warp added both
+# warpgroups' parts, and its turns and additions, each a round trip to L2, made it the backward's bottleneck: the
+# ordered backward was 0.91-0.94x the Triton one at 1024 keys, so shorter calls took the Triton backward then.)
+BACKWARD_MEASURED = {True: "1.00-1.19x the Triton backward on the H100", False: "1.05-1.27x the Triton backward on the H100"}
+# Runtime block sparsity (random 128 x 128 blocks, B=2 H=16 N=8192 d=128, the same run): the ordered Gluon backward
+# 1.08x the Triton generator's with half of the blocks kept but 0.92x with a quarter: a key tile's program waits at
+# each query tile for the one that adds before it, and along random lists of kept blocks those waits add up. Under
+# auto such specs take the Triton backward with deterministic = true; the unordered Gluon backward (deterministic =
+# false) measured 1.18-1.27x the Triton one, so it is taken then.
+SPARSE_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.92-1.08x of it at 1/4-1/2 of the blocks kept on the H100"
 # Tile classes that read the input pre-pass (documents: doc[b, q_idx] == doc[b, kv_idx], causal inside; random
-# documents of 256-2048 tokens, N = 4096 and 16384, d = 128; BENCHMARKS.md, 2026-11-26 session 10): the Gluon
-# forward 1.04-1.07x the Triton generator's, the ordered Gluon backward 0.70-0.80x of it (each program scans its
-# query tiles' classes per head with the summaries' loads, under the register budget of dK and dV: it spills); the
-# unordered one 0.90-0.94x (the same session's probe): the Triton backward in both settings.
-BOUNDED_BACKWARD_MEASURED = "the Gluon backward measured 0.70-0.80x of it (0.90-0.94x unordered) with a document mask on the H100"
-# Band masks, which drop the corner of the last queries and the first keys (a sliding window: each key tile meets a
-# bounded run of query tiles, so a program's fixed costs weigh more): sliding window 1024, d = 128 (the same run),
-# the ordered Gluon backward 0.98x the Triton generator's at N = 4096 and 0.92x at 16384. Block patterns are not
-# counted as bands here (through Gluon their backward measured 1.3-4x the Triton generator's, session 5). The
-# unordered Gluon backward (deterministic = false) measured 1.06-1.11x the Triton one: taken then.
-BAND_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.92-0.98x of it with a sliding window of 1024 on the H100"
-BAND_PROBE = 16384  # the length at which the corner tile is classified
+# documents of 256-2048 tokens, N = 4096 and 16384, d = 128; the same run): the Gluon forward 1.04-1.07x the Triton
+# generator's (session 10), the ordered Gluon backward 0.77-0.87x of it (each program scans its query tiles' classes
+# per head with the summaries' loads, under the register budget of dK and dV: it spills); the unordered one
+# 0.98-1.04x: the Triton backward in both settings.
+BOUNDED_BACKWARD_MEASURED = "the Gluon backward measured 0.77-0.87x of it (0.98-1.04x unordered) with a document mask on the H100"
 
 
-def _is_band(base: KernelPlan) -> bool:
-    """Whether the mask (not a block pattern) provably drops the tile of the last 128 queries and the first 128 keys
-    at BAND_PROBE tokens: a band around the diagonal."""
-    if base.mask is None or isinstance(base.spec.sparsity, Expr):
-        return False
-    n = BAND_PROBE
-    return truth(base.mask, tile_env(n - 128, n - 1, 0, 127, n, n)) is Truth.NEVER
-
-
-def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False, band: bool = False) -> tuple[str, str, int]:
-    """The backward of a spec whose forward is Gluon's: Gluon's (under auto with deterministic = true, for calls
-    of at least AUTO_BACKWARD_MIN_KEYS keys; not where the Triton backward measured faster: tile classes that read the input
-    pre-pass, `bounded` (BOUNDED_BACKWARD_MEASURED), and with deterministic = true runtime block sparsity
-    (SPARSE_BACKWARD_MEASURED) and band masks, `band` (BAND_BACKWARD_MEASURED)). With deterministic = true (the
-    default) its programs add into each dQ tile in a fixed order (a dQ warp waits for each addition's turn), so
+def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tuple[str, str]:
+    """The backward of a spec whose forward is Gluon's: Gluon's, except under auto where the Triton backward
+    measured faster: tile classes that read the input pre-pass, `bounded` (BOUNDED_BACKWARD_MEASURED), and with
+    deterministic = true runtime block sparsity (SPARSE_BACKWARD_MEASURED). With deterministic = true (the
+    default) its programs add into each dQ tile in a fixed order (a dQ warp per consumer warpgroup waits for each addition's turn), so
     the gradients are bit-reproducible; with deterministic = false in no fixed order, its last bits may vary
     between runs."""
     ordered = spec.deterministic
     if backend is Backend.AUTO and ordered and spec.sparsity == "runtime":
         return ("triton", f"auto, runtime block sparsity: the Triton backward ({SPARSE_BACKWARD_MEASURED}; deterministic = false takes the "
-                          "unordered Gluon backward, 1.26-1.29x); backend = gluon takes it anyway", 0)
+                          "unordered Gluon backward, 1.18-1.27x); backend = gluon takes it anyway")
     if backend is Backend.AUTO and bounded:
         return ("triton", f"auto, tile classes from the inputs' per-chunk bounds: the Triton backward ({BOUNDED_BACKWARD_MEASURED}); "
-                          "backend = gluon takes it anyway", 0)
-    if backend is Backend.AUTO and ordered and band:
-        return ("triton", f"auto, a band mask: the Triton backward ({BAND_BACKWARD_MEASURED}; deterministic = false takes the unordered "
-                          "Gluon backward, 1.06-1.11x); backend = gluon takes it anyway", 0)
-    min_keys = AUTO_BACKWARD_MIN_KEYS if backend is Backend.AUTO and ordered else 0
+                          "backend = gluon takes it anyway")
     if ordered:
-        return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})", min_keys
-    return ("gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})",
-            min_keys)
+        return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})"
+    return "gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})"
 
 
 def slower_than_triton(spec: Spec) -> str | None:

@@ -88,7 +88,7 @@ class GluonPlan:
         lines.append("gluon backward (FlashAttention-3 structure, sm_90):")
         width = max(len(s.what) for s in self.bwd_steps)
         lines += [f"  {s.what:<{width}}  {s.formula}  =>  {s.value}" for s in self.bwd_steps]
-        dq_warp = f", dQ 1 warp ({self.load_regs} registers/thread: adds dQ in a fixed order)" if self.base.spec.deterministic else ""
+        dq_warp = f", dQ 2 warps, one per consumer warpgroup ({self.load_regs} registers/thread: add dQ in a fixed order)" if self.base.spec.deterministic else ""
         lines.append(f"  partitions: load 1 warp ({self.load_regs} registers/thread){dq_warp}, 2 consumer warpgroups ({self.bwd_consumer_regs} "
                      f"registers/thread); BLOCK_N={self.bwd_block_n} BLOCK_M={self.bwd_block_m} ring of {self.bwd_stages} Q/dO stages, "
                      f"dQ split by {'columns' if self.dq_split == 'd' else 'rows'}")
