@@ -248,7 +248,7 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
 
     fns, failed = providers(kernel, seq, inputs, extra, batch, heads, derived, triton, gluon)
     row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dtype": spec.dtype.value, "kept": kept,
-           "generator": kernel.generator.generator, "backward": kernel.generator.backward} | failed
+           "generator": kernel.generator.forward_at(seq), "backward": kernel.generator.backward_at(seq)} | failed
     for name, fn in fns.items():
         row[name] = measure(name, fn, q, k, v, do, error_of, fwd_flop)
     return row
@@ -370,12 +370,13 @@ def _gpu_specs(paths: list[str], dtype: str | None, head_dims: list[int] | None)
 def _generators(spec: Spec, kernel, compile_spec) -> tuple:
     """The spec through each code generator for both passes, to time beside the spec's own choice (`kernel`):
     (Gluon's, with deterministic = false, or None where it cannot render the spec for this GPU or where that is
-    `kernel` already; Triton's, or None where `kernel` is Triton's both ways)."""
+    `kernel` already at every length; Triton's, or None where `kernel` is Triton's both ways)."""
     from .errors import PlanError
 
     gen = kernel.generator
     try:
-        gluon = compile_spec(spec, backend="gluon", deterministic=False) if (gen.generator, gen.backward) != ("gluon", "gluon") else None
+        ours = (gen.generator, gen.backward) == ("gluon", "gluon") and not gen.min_keys
+        gluon = None if ours else compile_spec(spec, backend="gluon", deterministic=False)
     except PlanError:
         gluon = None
     triton = compile_spec(spec, backend="triton") if (gen.generator, gen.backward) != ("triton", "triton") else None

@@ -429,7 +429,7 @@ class Kernel:
             deq = (fp8.dequantize(q, descales[0]), fp8.dequantize(k, descales[1]), fp8.dequantize(v, descales[2], per_block=False))
             o, lse = self._twin()._forward_impl(*deq, _up(*inputs), dropout_p, seed, block_mask)
             return o.to(torch.bfloat16), lse
-        if self.generator.generator == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
+        if self.generator.forward_at(dims.kv_len) == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
             fp8_scales = {} if descales is None else {"descales": descales}
             return self.gluon.attention_forward(q, k, v, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device), varlen=varlen,
                                                 **fp8_scales)
@@ -457,7 +457,7 @@ class Kernel:
             dq, dk, dv, grads = self._twin()._backward_impl(*_up(q, k, v, o), lse, *_up(do), dlse, _up(*inputs), dropout_p, seed,
                                                              block_mask, input_grads, varlen)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
-        if self.generator.backward == "gluon" and not input_grads and _is_sm90(q.device):
+        if self.generator.backward_at(dims.kv_len) == "gluon" and not input_grads and _is_sm90(q.device):
             # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py; packed sequences by
             # their longest keys); input gradients are the Triton kernels'
             dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device),
@@ -519,7 +519,7 @@ class Kernel:
         kern = self._shard_kernel()
         check_device(q.device, kern.module)
         extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
-        if kern.generator.generator == "gluon" and _is_sm90(q.device):  # O in q's element type (TMA stores through Q's tile)
+        if kern.generator.forward_at(k.shape[2]) == "gluon" and _is_sm90(q.device):  # O in q's element type (TMA stores through Q's tile)
             return kern.gluon.attention_forward(q, k, v, *inputs, **extra, positions=positions)
         if q.device.type == "cpu" and kern.spec.dtype is DType.BF16:
             kern, (q, k, v), inputs = kern._twin(), _up(q, k, v), _up(*inputs)
@@ -534,7 +534,7 @@ class Kernel:
         lse = lse.contiguous()  # the kernels index the lse (and dlse) as (B, H, rows) rows
         dlse = None if dlse is None else dlse.contiguous()
         extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
-        if kern.generator.backward == "gluon" and _is_sm90(q.device):  # dK, dV in k's and v's element type
+        if kern.generator.backward_at(k.shape[2]) == "gluon" and _is_sm90(q.device):  # dK, dV in k's and v's element type
             return kern.gluon.attention_backward(q, k, v, o.contiguous(), lse, do.contiguous(), dlse, *inputs, **extra, positions=positions,
                                                  grad_dtype=torch.float32)
         if q.device.type == "cpu" and kern.spec.dtype is DType.BF16:

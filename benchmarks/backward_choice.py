@@ -6,7 +6,7 @@ time taken off).
 
     python benchmarks/backward_choice.py [--quick] [--json OUT.json]
 
-Cases: dense and causal by length (AUTO_BACKWARD_MIN_KEYS), head_dim 64 and 128; a sliding window of 1024
+Cases: dense and causal by length, head_dim 64 and 128; a sliding window of 1024
 (band masks); documents of 256-2048 tokens (tile classes from the input pre-pass); random 128 x 128 blocks kept
 with probability 1/2 and 1/4, B=2 N=8192 (runtime block sparsity). Each provider's output is checked against the
 float32 naive reference on one batch entry and two heads before it is timed.

@@ -80,7 +80,7 @@ def check(name, layout, n, heads=8, kv_heads=2, backend=None):
     got = [cp.unshard(t.detach(), layout) for t in (o, *(x.grad for x in leaves))]
     shards = kern._shard_kernel().generator
     row = {"spec": name, "backend": backend or "auto", "layout": layout, "n": n, "nan": any(bool(torch.isnan(t).any()) for t in got),
-           "shard_generators": [shards.generator, shards.backward_for(n // dist.get_world_size() // (2 if layout == "zigzag" else 1))]}
+           "shard_generators": [shards.generator, shards.backward]}
     if dist.get_rank() == 0:
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         one = kern(*full, **drop, **inputs)
@@ -134,7 +134,7 @@ def scaling(n, heads=16, d=128, layout="zigzag"):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             fwd = _local_timed(lambda: kk(q, k, v))
             both = _local_timed(lambda: torch.autograd.grad(kk(*leaves), leaves, do))
-            row[label] = {"fwd_ms": fwd, "fwd_bwd_ms": both, "generator": kk.generator.generator, "bwd_generator": kk.generator.backward_for(n)}
+            row[label] = {"fwd_ms": fwd, "fwd_bwd_ms": both, "generator": kk.generator.generator, "bwd_generator": kk.generator.backward}
         del leaves
     dist.barrier()
     torch.cuda.empty_cache()
@@ -158,7 +158,7 @@ def scaling(n, heads=16, d=128, layout="zigzag"):
     fwd, fwd_bwd = passes(kern)
     row["cp"] = {"fwd_ms": timed(fwd), "fwd_bwd_ms": timed(fwd_bwd)}
     generators = kern._shard_kernel().generator
-    row["cp"]["shard_generators"] = [generators.generator, generators.backward_for(n // dist.get_world_size() // 2)]
+    row["cp"]["shard_generators"] = [generators.generator, generators.backward]
     row["cp_triton"] = dict(zip(("fwd_ms", "fwd_bwd_ms"), map(timed, passes(triton_kern))))
     # the same ring with every transfer replaced by a local copy: compute and merges only
     real = ring_module._Ring.send_recv

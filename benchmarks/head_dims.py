@@ -40,7 +40,7 @@ def main():
                 ref = attngen.reference(kerns["triton"].spec, q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float())
                 err = lambda out: (out[:1, :2].float() - ref).abs().max().item()  # noqa: E731
                 flop = 4 * batch * heads * n * n * d * (0.5 if causal else 1.0)
-                row = {"d": d, "N": n, "causal": causal, "gluon_backward": kerns["gluon"].generator.backward_for(n)}
+                row = {"d": d, "N": n, "causal": causal, "gluon_backward": kerns["gluon"].generator.backward}
                 for name, kern in kerns.items():
                     row[name] = measure(name, lambda q, k, v, kern=kern: kern(q, k, v), q, k, v, do, err, flop)
                 for name, backend in (("cudnn", SDPA_CUDNN), ("flash", SDPA_FLASH)):

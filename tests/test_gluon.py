@@ -71,16 +71,66 @@ def test_runtime_block_sparsity_needs_blocks_of_whole_tiles():
 
 
 def test_auto_takes_gluon_where_it_was_measured_faster():
-    """auto: Gluon on sm_90 at d=128 without a score modification; Triton elsewhere, with the reason."""
-    assert choose(_spec("causal"), plan(_spec("causal"), "h100")).generator == "gluon"
-    assert choose(_spec("dense"), plan(_spec("dense"), "h100")).generator == "gluon"
-    for spec, why in ((_spec("causal", head_dim=64), "head_dim 64: 0.90-0.93x"), (_spec("causal_softcap"), "a score modification")):
-        c = choose(spec, plan(spec, "h100"))
-        assert c.generator == "triton" and why in c.reason and c.gluon is None
-        assert choose(spec, plan(spec, "h100"), Backend.GLUON).generator == "gluon"  # asked for: taken
+    """auto: Gluon on sm_90 at d=128 and 256 without a score modification, and at d=64 for calls of 2048 keys or
+    more (the Triton generator's kernels for shorter ones, both passes); Triton elsewhere, with the reason."""
+    for name in ("causal", "dense"):
+        c = choose(_spec(name), plan(_spec(name), "h100"))
+        assert (c.generator, c.min_keys, c.forward_at(1), c.backward_at(1)) == ("gluon", 0, "gluon", "gluon")
+    short = choose(_spec("causal", head_dim=64), plan(_spec("causal", head_dim=64), "h100"))
+    assert (short.generator, short.backward, short.min_keys) == ("gluon", "gluon", 2048) and short.gluon is not None
+    assert [(short.forward_at(n), short.backward_at(n)) for n in (1, 2047, 2048, 65536)] == [("triton", "triton")] * 2 + [("gluon", "gluon")] * 2
+    assert "calls with fewer than 2048 keys take the Triton generator for both passes (the Gluon kernels measured 0.90-0.97x" in short.describe()
+    asked = choose(_spec("causal", head_dim=64), plan(_spec("causal", head_dim=64), "h100"), Backend.GLUON)
+    assert asked.min_keys == 0 and asked.forward_at(1) == "gluon" and "fewer than" not in asked.describe()  # asked for: every length
+    docs = choose(_spec("document"), plan(_spec("document"), "h100"))  # head_dim 64: the Triton backward at every length
+    assert (docs.forward_at(4096), docs.backward_at(4096), docs.forward_at(1024)) == ("gluon", "triton", "triton")
+    c = choose(_spec("causal_softcap"), plan(_spec("causal_softcap"), "h100"))
+    assert c.generator == "triton" and "a score modification" in c.reason and c.gluon is None
+    assert choose(_spec("causal_softcap"), plan(_spec("causal_softcap"), "h100"), Backend.GLUON).generator == "gluon"  # asked for: taken
     a100 = choose(_spec("causal"), plan(_spec("causal"), "a100"))
     assert a100.generator == "triton" and "the target is sm_80" in a100.reason
     assert choose(_spec("causal"), plan(_spec("causal"), "h100"), Backend.TRITON).generator == "triton"
+
+
+def test_a_call_takes_the_generators_its_length_gives(monkeypatch, device):
+    """With a length rule (auto at head_dim 64), a call's keys pick the generator of each pass at run time: fewer
+    than 2048, the Triton generator's kernels both ways; from 2048, the Gluon module's. Stand-ins for the Gluon
+    module's launchers record their calls (on the CPU machine the device is taken for an sm_90); the short call runs
+    the Triton kernels, checked against the float64 reference."""
+    import attngen.runtime as runtime
+
+    kern = attngen.compile(_spec("causal", head_dim=64, dtype=DType.FP16), "h100")  # fp16: the interpreter's arithmetic
+    assert kern.generator.min_keys == 2048 and kern.gluon is not None
+    if device == "cpu":
+        monkeypatch.setattr(runtime, "_is_sm90", lambda dev: True)
+    elif not runtime._is_sm90(torch.device(device)):
+        pytest.skip("the Gluon generator's calls need an sm_90 GPU")
+    seen = []
+
+    def forward(q, k, v, *rest, **kw):
+        seen.append(("gluon forward", k.shape[2]))
+        return torch.zeros_like(q), torch.zeros(q.shape[:3], device=q.device)
+
+    def backward(q, k, v, *rest, **kw):
+        seen.append(("gluon backward", k.shape[2]))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(kern.gluon, "attention_forward", forward)
+    monkeypatch.setattr(kern.gluon, "attention_backward", backward)
+    gen = torch.Generator().manual_seed(0)
+    for n_keys in (100, 2048):
+        q = torch.randn(1, 2, 20, 64, generator=gen).half().to(device).requires_grad_()
+        k, v = (torch.randn(1, 2, n_keys, 64, generator=gen).half().to(device).requires_grad_() for _ in range(2))
+        o = kern(q, k, v)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+        if n_keys == 100:  # the Triton generator's kernels ran: the result is attention's
+            assert seen == []
+            ref = attngen.reference(kern.spec, q.double(), k.double(), v.double(), dtype=torch.float64)
+            assert not torch.isnan(o).any() and (o.double() - ref).abs().max() < 1e-2
+            ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+            for got, want in zip((dq, dk, dv), ref_grads):
+                assert not torch.isnan(got).any() and (got.double() - want).abs().max() < 5e-2
+    assert seen == [("gluon forward", 2048), ("gluon backward", 2048)]
 
 
 def test_backend_gluon_for_what_it_cannot_render_is_a_plan_error():
@@ -193,7 +243,8 @@ def test_which_generator_renders_the_backward():
         c = choose(free, plan(free, "h100"), backend)
         assert (c.generator, c.backward) == ("gluon", "gluon") and "last bits may vary" in c.backward_reason
         assert "1.05-1.27x the Triton backward" in c.backward_reason
-    assert choose(_spec("causal", head_dim=64), plan(_spec("causal", head_dim=64), "h100")).backward == "triton"  # Triton forward
+    short = choose(_spec("causal", head_dim=64), plan(_spec("causal", head_dim=64), "h100"))  # d=64: by length
+    assert (short.backward_at(1024), short.backward_at(4096)) == ("triton", "gluon")
     assert choose(free, plan(free, "h100"), Backend.TRITON).backward == "triton"
     assert attngen.compile(free, "h100").generator.backward == "gluon"
     assert attngen.compile(spec, "h100", deterministic=False).generator.backward == "gluon"

@@ -20,7 +20,14 @@ from .render import context
 # At head_dim 256 (the forward alone: 64-key tiles, two ring stages; BENCHMARKS.md, 2026-11-26 session 10) the Gluon
 # forward was 2.15-2.42x the Triton generator's (641-655 against 255-285 TFLOP/s, dense and causal, N = 4096 and 16384).
 AUTO_HEAD_DIMS = (128, 256)
-HEAD_DIM_MEASURED = {64: "head_dim 64: 0.90-0.93x the Triton forward at N=1024 on the H100 (1.09-1.16x from 4096)"}
+# At head_dim 64 the Gluon kernels against the Triton generator's (benchmarks/head_dims.py --dims 64, both passes,
+# dQ in a fixed order, bf16, B*N = 16384; BENCHMARKS.md, 2026-11-26 session 12), forward / backward: 0.96 / 0.97x
+# (dense) and 0.90 / 0.94x (causal) at 1024 keys, 1.04 / 1.07x and 0.99 / 1.14x at 2048, 1.10-1.12 / 1.12-1.23x at
+# 4096, 1.16-1.18 / 1.19-1.24x at 16384. So under auto a call of such a spec with fewer keys than this takes the
+# Triton generator for both passes, and the Gluon generator's from there on.
+GLUON_MIN_KEYS = {64: 2048}
+MIN_KEYS_MEASURED = ("the Gluon kernels measured 0.90-0.97x the Triton generator's at 1024 keys and 0.99-1.24x from 2048 "
+                     "(head_dim 64, H100)")
 # FP8 at d=128 on the H100 (BENCHMARKS.md, 2026-11-26 session 9): the Gluon forward 1.13-1.20x the Triton generator's
 FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
 
@@ -32,12 +39,23 @@ class Choice:
     gluon: GluonPlan | None = None
     backward: str = "triton"  # the generator of the backward ("gluon" only with a Gluon forward: one module)
     backward_reason: str = ""
+    min_keys: int = 0  # calls with fewer keys (the longest sequence's) take the Triton generator for both passes
+
+    def forward_at(self, kv_len: int) -> str:
+        """The generator of the forward of a call with kv_len keys (packed sequences: the longest)."""
+        return "triton" if kv_len < self.min_keys else self.generator
+
+    def backward_at(self, kv_len: int) -> str:
+        """The generator of the backward of a call with kv_len keys."""
+        return "triton" if kv_len < self.min_keys else self.backward
 
     def describe(self) -> str:
         """`attngen plan`'s line: which generator renders each pass, and why."""
         line = f"{self.generator} forward ({self.reason})"
         if self.generator == "gluon":
             line += f"; {self.backward} backward ({self.backward_reason})"
+        if self.min_keys:
+            line += f"; calls with fewer than {self.min_keys} keys take the Triton generator for both passes ({MIN_KEYS_MEASURED})"
         return line
 
 
@@ -70,8 +88,9 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
     if not gp.has_backward:
         return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
                       "triton", f"the Gluon backward takes head_dim {' or '.join(map(str, BACKWARD_HEAD_DIMS))}")
+    min_keys = GLUON_MIN_KEYS.get(spec.head_dim, 0) if backend is Backend.AUTO else 0
     return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
-                  *_choose_backward(spec, backend, bounded))
+                  *_choose_backward(spec, backend, bounded), min_keys=min_keys)
 
 
 # The Gluon backward against the Triton generator's on the H100 (benchmarks/backward_choice.py: through autograd, the
@@ -116,8 +135,8 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tup
 
 def slower_than_triton(spec: Spec) -> str | None:
     """Why `auto` keeps a supported spec on the Triton generator (measured on the H100), or None."""
-    if spec.head_dim not in AUTO_HEAD_DIMS:
-        return HEAD_DIM_MEASURED.get(spec.head_dim, f"head_dim {spec.head_dim}: not measured against the Triton forward")
+    if spec.head_dim not in AUTO_HEAD_DIMS and spec.head_dim not in GLUON_MIN_KEYS:
+        return f"head_dim {spec.head_dim}: not measured against the Triton forward"
     if spec.score is not None:
         return "a score modification: 0.87-1.06x the Triton forward on the H100 (softcap)"
     return None
