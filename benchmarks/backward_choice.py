@@ -64,13 +64,14 @@ def main():
         if name == "block_sparse_runtime":
             inputs["block_mask"] = random_blocks(1 / int(label[2:]), torch.Generator().manual_seed(int(label[2:]))).cuda()
         spec = spec_of(name, d)
+        auto = attngen.compile(spec).generator  # the generators auto gives a call of n keys
         kerns = {"ordered": attngen.compile(spec, backend="gluon"),
                  "unordered": attngen.compile(dataclasses.replace(spec, deterministic=False), backend="gluon"),
                  "triton": attngen.compile(spec, backend="triton")}
         ref = attngen.reference(kerns["triton"], q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(),
                                 **{key: t[:1, :2] if key == "block_mask" else t[:1] for key, t in inputs.items()})
         row = {"spec": name, "d": d, "N": n, "B": batch, "H": h, "case": label,
-               "auto": "{0.generator} / {0.backward}".format(attngen.compile(spec).generator)}
+               "auto": "{} / {}".format(*(pick(n) for pick in (auto.forward_at, auto.backward_at)))}
         for key, kern in kerns.items():
             r = measure(key, lambda q, k, v, kern=kern: kern(q, k, v, **inputs), q, k, v, do,
                         lambda out: (out[:1, :2].float() - ref).abs().max().item(), 1.0)
