@@ -14,12 +14,10 @@ from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
 from .render import context
 
 # What `auto` takes: on the H100 (BENCHMARKS.md, 2026-11-24) the Gluon forward was 1.25-1.46x the Triton generator's
-# at d=128 (dense, causal; sliding window 1.17-1.24x with the version before), but at d=64 0.90-0.93x at N=1024 (1.09-1.16x
-# from 4096) and 0.87-1.06x with softcap's score modification (its tanh is the bottleneck): those stay with Triton
-# unless backend = gluon.
+# at d=128 (dense, causal; sliding window 1.17-1.24x with the version before), but 0.87-1.06x with softcap's score
+# modification (its tanh is the bottleneck): such specs stay with Triton unless backend = gluon.
 # At head_dim 256 (the forward alone: 64-key tiles, two ring stages; BENCHMARKS.md, 2026-11-26 session 10) the Gluon
 # forward was 2.15-2.42x the Triton generator's (641-655 against 255-285 TFLOP/s, dense and causal, N = 4096 and 16384).
-AUTO_HEAD_DIMS = (128, 256)
 # At head_dim 64 the Gluon kernels against the Triton generator's (benchmarks/head_dims.py --dims 64, both passes,
 # dQ in a fixed order, bf16, B*N = 16384; BENCHMARKS.md, 2026-11-26 session 12), forward / backward: 0.96 / 0.97x
 # (dense) and 0.90 / 0.94x (causal) at 1024 keys, 1.04 / 1.07x and 0.99 / 1.14x at 2048, 1.10-1.12 / 1.12-1.23x at
@@ -134,9 +132,8 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tup
 
 
 def slower_than_triton(spec: Spec) -> str | None:
-    """Why `auto` keeps a supported spec on the Triton generator (measured on the H100), or None."""
-    if spec.head_dim not in AUTO_HEAD_DIMS and spec.head_dim not in GLUON_MIN_KEYS:
-        return f"head_dim {spec.head_dim}: not measured against the Triton forward"
+    """Why `auto` keeps a supported spec on the Triton generator at every length (measured on the H100), or None.
+    (Every head dim the generator takes was measured: 128 and 256 faster; 64 faster from GLUON_MIN_KEYS keys.)"""
     if spec.score is not None:
         return "a score modification: 0.87-1.06x the Triton forward on the H100 (softcap)"
     return None
