@@ -101,6 +101,23 @@ def test_every_split_count_gives_the_unsplit_result(device):
         assert (other - results[0]).abs().max() <= 1e-5
 
 
+def test_the_combine_merges_more_runs_than_it_reads_at_once(device):
+    """The combine kernel reads COMBINE_CHUNK (16) partial results a load: 18 runs of one key tile each (two
+    loads) and 40 runs (three loads, 22 of them empty) against one run and the reference, reruns bit-identical."""
+    kern = attngen.compile(_spec(BOTTOM_RIGHT), "h100")
+    assert kern.module.COMBINE_CHUNK == 16 and kern.plan.decode_block_n == 64
+    lens = [1100, 300, 0]  # 1100 keys: 18 tiles of 64
+    q, k, v = _tensors(kern.spec, device, lens, 1, capacity=1152)
+    kv_lens = _lens(lens, device)
+    one, _ = kern.module.attention_decode(q, k, v, kv_lens=kv_lens, block_r=16, num_splits=1)
+    for splits in (18, 40):
+        out, lse = kern.module.attention_decode(q, k, v, kv_lens=kv_lens, block_r=16, num_splits=splits)
+        _check_reference(kern, out, lse * 0.6931471805599453, q, k, v, kv_lens=kv_lens)
+        again = kern.module.attention_decode(q, k, v, kv_lens=kv_lens, block_r=16, num_splits=splits)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+        assert (out.float() - one.float()).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("hkv, q_rows", [(8, 1), (2, 1), (1, 3), (1, 16)], ids=["mha", "gqa", "mqa", "mqa_16_tokens"])
 def test_query_heads_share_their_key_value_heads_tile(hkv, q_rows, device):
     """The query heads of a key/value head are rows of one tile: 8 query heads over 8, 2 and 1 key/value heads;

@@ -99,7 +99,8 @@ for name in names:
 def test_equal_keys_mean_equal_specializations(tmp_path):
     """The key (each positional argument's `specialization`, the keyword arguments by value) never joins calls
     Triton's binder specializes differently, for the Gluon forward and the Triton generator's six kernels; and
-    the calls above reach several keys, so the check is not vacuous."""
+    the calls above reach several keys, so the check is not vacuous (the decode combine kernel, whose pointers
+    are fresh buffers and whose one integer is not specialized, one key for all its calls)."""
     gluon_path = tmp_path / "relative_bias_gluon.py"
     gluon_path.write_text(render(plan_gluon(plan(_spec("relative_bias"), "h100"))))
     triton_path = tmp_path / "relative_bias_triton.py"
@@ -111,7 +112,7 @@ def test_equal_keys_mean_equal_specializations(tmp_path):
     counts = dict(line.rsplit(" ", 1) for line in run.stdout.splitlines())
     assert set(counts) == {"gluon _attn_fwd", "triton _attn_fwd", "triton _attn_bwd_delta", "triton _attn_bwd_dq", "triton _attn_bwd_dkdv",
                            "triton _attn_decode", "triton _decode_combine"}
-    assert int(counts["gluon _attn_fwd"]) >= 8 and all(int(n) >= (2 if name.endswith("combine") else 4) for name, n in counts.items()), counts
+    assert int(counts["gluon _attn_fwd"]) >= 8 and all(int(n) >= (1 if name.endswith("combine") else 4) for name, n in counts.items()), counts
 
 
 def test_the_launch_key_specializes_each_argument_as_specialization_does():
