@@ -12,8 +12,12 @@ The work is reading K and V: bytes = 2 * B * Hkv * N * d * itemsize (q, O and th
 GB/s = bytes / time, and "% copy" = that rate over the device-to-device copy rate measured in the same run
 (bytes read + written by a 4 GiB copy). Every provider's output is checked against the float32 reference (the
 first sequence, every head) before it is timed; a failure is reported, not timed. Timing: do_bench medians of
-the call captured in a CUDA graph and replayed (how serving loops run decode steps: the GPU's time, which the
-rates use), and of the eager call ("eager": with the host's time per call, which small shapes are bound by).
+  - "layers": L calls, each over its own cache (a model's layers: L = min(8, 4 GiB / bytes)), captured in one
+    CUDA graph and replayed, over L. A serving loop captures a whole decode step, every layer, in one graph, so
+    the graph's launch is paid once a step, not once a call; the caches are distinct so no call finds another's
+    K and V in the L2 cache. The rates and the ratio to FlexAttention use this time.
+  - "one": the call alone in a graph (the graph's launch, about 4.5 us on the H100, counted in every call);
+  - "eager": the eager call, with the host's time per call, which small shapes are bound by.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from .spec import KVLayout, Spec
 
 CHECK_TOLERANCE = 2e-2  # max |out - reference| of a bf16 output accepted before timing
 PAGE_SIZES = (16, 64)
+MAX_LAYERS = 8  # calls a timed graph holds, each over its own cache (a model's layers) ...
+LAYER_BYTES = 4 << 30  # ... as many as fit in this many bytes of K and V
 
 
 def copy_rate() -> float:
@@ -69,40 +75,48 @@ def _paged(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generato
 
 def decode_row(kernels: dict, spec: Spec, batch: int, keys: int, queries: int, heads: int, kv_heads: int, copy_gbs: float,
                flex_too: bool = True) -> dict:
-    """One configuration: every provider checked, then timed."""
+    """One configuration: every provider checked, then timed (see the module doc)."""
     from .naive import reference
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype.value]
     d = spec.head_dim
+    nbytes = 2 * batch * kv_heads * keys * d * torch.tensor([], dtype=dtype).element_size()
+    layers = max(1, min(MAX_LAYERS, LAYER_BYTES // nbytes))
     q = torch.randn(batch, heads, queries, d, device="cuda", dtype=dtype, generator=gen)
-    k, v = (torch.randn(batch, kv_heads, keys, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    caches = [tuple(torch.randn(batch, kv_heads, keys, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2)) for _ in range(layers)]
     lens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
-    nbytes = 2 * batch * kv_heads * keys * d * q.element_size()
-    row = {"spec": spec.name, "B": batch, "N": keys, "Nq": queries, "Hq": heads, "Hkv": kv_heads, "d": d, "bytes": nbytes, "copy_gbs": copy_gbs}
+    row = {"spec": spec.name, "B": batch, "N": keys, "Nq": queries, "Hq": heads, "Hkv": kv_heads, "d": d, "bytes": nbytes, "copy_gbs": copy_gbs,
+           "layers": layers}
+    k, v = caches[0]
     ref = reference(spec, q[:1].float(), k[:1].float(), v[:1].float())
 
-    def timed(name, fn):
+    def rates(ms: float) -> dict:
+        return {"ms": ms, "gbs": nbytes / ms * 1e-6, "copy_pct": 100 * nbytes / ms * 1e-6 / copy_gbs}
+
+    def timed(name, calls):
+        """calls: one call a layer, calls[0] over the checked cache."""
         try:
             with torch.no_grad():
-                out = fn()
+                out = calls[0]()
                 err = (out[:1].float() - ref).abs().max().item()
                 assert err < CHECK_TOLERANCE and not torch.isnan(out).any(), f"max error {err} against the reference"
-                eager = median_ms(fn)
-                ms = median_ms(_graph(fn).replay)
-            row[name] = {"ms": ms, "gbs": nbytes / ms * 1e-6, "copy_pct": 100 * nbytes / ms * 1e-6 / copy_gbs, "eager_ms": eager, "max_err": err}
+                eager = median_ms(calls[0])
+                one = median_ms(_graph(calls[0]).replay)
+                step = median_ms(_graph(lambda: [call() for call in calls]).replay)
+            row[name] = {**rates(step / len(calls)), "one": rates(one), "eager_ms": eager, "max_err": err}
         except Exception as exc:  # one provider failing must not hide the others
             row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
     for name, kern in kernels.items():
-        if kern.spec.kv_layout is KVLayout.PAGED and 1.1 * nbytes > torch.cuda.mem_get_info()[0]:
-            row[name] = {"error": f"skipped: a paged copy of the {nbytes / 2**30:.1f} GiB of K and V does not fit beside them"}
-        elif kern.spec.kv_layout is KVLayout.PAGED:  # K and V through the same shuffled table
-            k_cache, v_cache, table = _paged(k, v, kern.spec.page_size, torch.Generator().manual_seed(1))
-            timed(name, lambda kern=kern, kc=k_cache, vc=v_cache, t=table: kern(q, kc, vc, block_table=t, kv_lens=lens))
-            del k_cache, v_cache
+        if kern.spec.kv_layout is KVLayout.PAGED and 1.1 * nbytes * layers > torch.cuda.mem_get_info()[0]:
+            row[name] = {"error": f"skipped: paged copies of the {nbytes * layers / 2**30:.1f} GiB of K and V do not fit beside them"}
+        elif kern.spec.kv_layout is KVLayout.PAGED:  # each layer's K and V through its own shuffled table
+            paged = [_paged(k, v, kern.spec.page_size, torch.Generator().manual_seed(1 + i)) for i, (k, v) in enumerate(caches)]
+            timed(name, [lambda kern=kern, c=c: kern(q, c[0], c[1], block_table=c[2], kv_lens=lens) for c in paged])
+            del paged
         else:
-            timed(name, lambda kern=kern: kern(q, k, v, kv_lens=lens))
+            timed(name, [lambda kern=kern, c=c: kern(q, c[0], c[1], kv_lens=lens) for c in caches])
     if flex_too:
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -110,7 +124,8 @@ def decode_row(kernels: dict, spec: Spec, batch: int, keys: int, queries: int, h
         block_mask = None
         if mask_mod is not None:
             block_mask = create_block_mask(mask_mod, None, None, queries, keys, device="cuda")
-        timed("flex", lambda: flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=heads != kv_heads))
+        timed("flex", [lambda c=c: flex()(q, c[0], c[1], score_mod=score_mod, block_mask=block_mask, enable_gqa=heads != kv_heads)
+                       for c in caches])
     return row
 
 
@@ -124,24 +139,27 @@ def _providers(spec: Spec, compile_spec) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
+    """Per provider: the time a call and % of the copy rate in a graph of the row's layers (see the module doc),
+    then one call a graph, then eager."""
     names = [n for n in ("attngen", *(f"paged{p}" for p in PAGE_SIZES), "flex") if any(n in r for r in rows)]
-    head = f"{'spec':<22}{'B':>4}{'N':>8}{'Nq':>4}" + "".join(f"{n + ' us GB/s %copy eager':>30}" for n in names) + f"{'vs flex':>9}"
+    head = f"{'spec':<22}{'B':>4}{'N':>8}{'Nq':>4}{'L':>3}" + "".join(f"{n + ' us %copy | one | eager':>36}" for n in names) + f"{'vs flex':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = []
         for n in names:
             x = r.get(n, {})
-            cells.append(f"{x['ms'] * 1e3:8.1f} {x['gbs']:5.0f} {x['copy_pct']:5.1f}% {x['eager_ms'] * 1e3:7.1f}" if "ms" in x
-                         else f"{'error' if 'error' in x else '-':>28}")
+            cells.append(f"{x['ms'] * 1e3:8.1f} {x['copy_pct']:5.1f}% | {x['one']['ms'] * 1e3:7.1f} {x['one']['copy_pct']:5.1f}% | {x['eager_ms'] * 1e3:6.1f}"
+                         if "ms" in x else f"{'error' if 'error' in x else '-':>34}")
         a, f = r.get("attngen", {}), r.get("flex", {})
         vs = f"{f['ms'] / a['ms']:8.2f}x" if "ms" in a and "ms" in f else f"{'-':>9}"
-        lines.append(f"{r['spec']:<22}{r['B']:>4}{r['N']:>8}{r['Nq']:>4}" + "".join(f"{c:>30}" for c in cells) + vs)
+        lines.append(f"{r['spec']:<22}{r['B']:>4}{r['N']:>8}{r['Nq']:>4}{r.get('layers', 1):>3}" + "".join(f"{c:>36}" for c in cells) + vs)
     errors = [f"  {r['spec']} B={r['B']} N={r['N']} Nq={r['Nq']} {n}: {r[n]['error']}" for r in rows for n in names if "error" in r.get(n, {})]
     return "\n".join(lines + (["errors:"] + errors if errors else []))
 
 
 def plot(results: dict, path: str | Path) -> None:
-    """GB/s against the number of keys, one panel per (batch, queries), a line per provider, the copy rate dashed."""
+    """GB/s against the number of keys, one panel per (batch, queries), a line per provider (solid: in a graph of
+    the row's layers; dotted: one call a graph), the copy rate dashed."""
     import io
 
     plt = _matplotlib()
@@ -151,10 +169,12 @@ def plot(results: dict, path: str | Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     for ax, (batch, nq) in zip(axes[0], panels):
         mine = sorted((r for r in rows if (r["B"], r["Nq"]) == (batch, nq)), key=lambda r: r["N"])
-        for n in names:
+        for i, n in enumerate(names):
             pts = [(r["N"], r[n]["gbs"]) for r in mine if "gbs" in r.get(n, {})]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=n)
+                color = f"C{i}"
+                ax.plot(*zip(*pts), marker="o", color=color, label=n)
+                ax.plot(*zip(*[(r["N"], r[n]["one"]["gbs"]) for r in mine if "gbs" in r.get(n, {})]), linestyle=":", color=color)
         ax.axhline(results["copy_gbs"], color="black", linestyle="--", linewidth=1, label="copy rate")
         ax.set_xscale("log", base=2)
         ax.set_title(f"B={batch}, {nq} quer{'y' if nq == 1 else 'ies'}", fontsize="small")
@@ -162,7 +182,8 @@ def plot(results: dict, path: str | Path) -> None:
         ax.set_ylabel("K/V read, GB/s")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")
-    fig.suptitle(f"attngen bench --decode: {results.get('versions', '')}", fontsize="small")
+    fig.suptitle(f"attngen bench --decode: {results.get('versions', '')}\nsolid: a call in a graph of a step's layers, each over its own "
+                 "cache; dotted: a call alone in a graph", fontsize="small")
     fig.tight_layout()
     image = io.BytesIO()
     try:
@@ -198,6 +219,7 @@ def run(paths: list[str], seqs: list[int], batches: list[int], queries: list[int
                     progress(format_table(rows[-1:]).splitlines()[-1])
                     torch.cuda.empty_cache()
     results = {"versions": versions(), "copy_gbs": copy_gbs, "rows": rows}
-    report(results, f"\n{results['versions']}; copy rate {copy_gbs:.0f} GB/s; K/V bytes over time; bf16, Hq={heads}, Hkv={kv_heads}\n"
+    report(results, f"\n{results['versions']}; copy rate {copy_gbs:.0f} GB/s; K/V bytes over time; bf16, Hq={heads}, Hkv={kv_heads}; "
+           f"L: calls a graph, each over its own cache (one: a call alone in a graph)\n"
            f"{format_table(rows)}", json_path, plot, plot_path, progress)
     return rows

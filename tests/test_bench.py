@@ -167,3 +167,31 @@ def test_bench_plot_fails_before_timing_without_matplotlib(monkeypatch, capsys):
     monkeypatch.setattr(bench, "_gpu_specs", lambda *a: pytest.fail("timing started before the matplotlib check"))
     assert main(["bench", "specs/causal.attn", "--plot", "x.png"]) == 1
     assert "pip install 'attngen[plot]'" in capsys.readouterr().err
+
+
+def _decode_results():
+    """An `attngen bench --decode` document as it is written: attngen in a graph of 4 layers (and alone), one
+    paged layout failed, FlexAttention beside."""
+    def timed(ms, one_ms):
+        return {"ms": ms, "gbs": 1e9 / ms * 1e-6, "copy_pct": 100 * (1e9 / ms * 1e-6) / 3000.0,
+                "one": {"ms": one_ms, "gbs": 1e9 / one_ms * 1e-6, "copy_pct": 100 * (1e9 / one_ms * 1e-6) / 3000.0}, "eager_ms": 0.1}
+
+    rows = [{"spec": "decode_causal", "B": 1, "N": n, "Nq": 1, "layers": 4, "copy_gbs": 3000.0,
+             "attngen": timed(0.5, 0.6), "paged16": {"error": "AssertionError: max error 0.5"}, "flex": timed(0.75, 0.8)}
+            for n in (8192, 32768)]
+    return {"versions": "H100 (synthetic)", "copy_gbs": 3000.0, "rows": rows}
+
+
+def test_decode_table_gives_layered_and_single_call_rates_and_the_ratio_to_flex(tmp_path):
+    from attngen import bench_decode
+
+    table = bench_decode.format_table(_decode_results()["rows"])
+    line = table.splitlines()[2].split()
+    # 1 GB in 0.5 ms = 2000 GB/s = 66.7 % of 3000; alone 0.6 ms = 55.6 %; FlexAttention 0.75 / 0.5 = 1.50x
+    assert line[:5] == ["decode_causal", "1", "8192", "1", "4"] and line[5:8] == ["500.0", "66.7%", "|"] and line[8:10] == ["600.0", "55.6%"]
+    assert line[-1] == "1.50x" and "error" in line
+    assert "paged16: AssertionError: max error 0.5" in table
+    pytest.importorskip("matplotlib.pyplot")
+    out = tmp_path / "decode.png"
+    bench_decode.plot(_decode_results(), out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
