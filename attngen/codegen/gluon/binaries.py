@@ -92,7 +92,7 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
             kernels[f"_attn_bwd{tail}"] = compile_kernel(module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_, *inputs,
                                                                                                  **packed, **extra), warps | flag)
             kernels[f"_bwd_delta{tail}"] = compile_kernel(module._bwd_delta, module.delta_launch_args(o_, o_, lse, None, stats, order, k_, *inputs,
-                                                                                                    **packed, **extra), {"num_warps": 4} | flag)
+                                                                                                    dq=dq_, **packed, **extra), {"num_warps": 4} | flag)
         if dropout is not None:
             kernels[f"_attn_fwd{tail} dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, dropout=dropout,
                                                                                                        **packed, **extra), warps | flag | on)
