@@ -346,6 +346,8 @@ def record_gluon_launches(kernel_plan, choice, module, arch: int) -> list[_Launc
             tensors = [inputs[d.name] for d in spec.inputs]
             for extra in dropouts:
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra, **sparse)
+                if getattr(module, "PERSISTENT_FORWARD", False):  # both forms of the forward: each call length takes one
+                    module.attention_forward(q, k, v, *tensors, **extra, **sparse, persistent=not module.takes_persistent(k.shape[2]))
                 if choice.backward == "gluon":
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, **sparse)
         for q, k, v, varlen, tensors, _ in _packed_calls(spec) if takes_packed(spec) else ():

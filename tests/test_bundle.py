@@ -298,9 +298,12 @@ def test_gluon_recording_covers_dropout_on_and_off():
     launches = bundle.record_gluon_launches(p, choice, module, 90)
     flags = {(launch.kernel, json.loads(launch.key)["constants"].get("DROPOUT")) for launch in launches}
     assert {("_attn_fwd", "True"), ("_attn_fwd", "False"), ("_attn_bwd", "True"), ("_attn_bwd", "False")} <= flags, flags
-    # one forward each with dropout on and off, for (B, H, N, D) tensors and for packed sequences (VARLEN)
+    # one forward each with dropout on and off, for (B, H, N, D) tensors in both forms (a program per tile, and
+    # persistent: what calls of few keys take) and for packed sequences (VARLEN)
     forwards = [json.loads(launch.key)["constants"] for launch in launches if launch.kernel == "_attn_fwd"]
-    assert sorted((c.get("DROPOUT"), c.get("VARLEN", "False")) for c in forwards) == sorted((d, v) for d in ("True", "False") for v in ("True", "False"))
+    forms = (("False", "False"), ("False", "True"), ("True", "False"))  # (VARLEN, PERSISTENT)
+    assert sorted((c.get("DROPOUT"), c.get("VARLEN", "False"), c.get("PERSISTENT", "False")) for c in forwards) == \
+        sorted((d, *f) for d in ("True", "False") for f in forms)
 
 
 def test_recording_an_fp8_spec_takes_its_forward_only():
@@ -430,7 +433,7 @@ def test_the_bundle_lookup_returns_the_gluon_binaries(built_gluon):
                                          True, None, stats)
         compiled = lookup(GluonASTSource(getattr(module, launch.kernel), launch.signature, launch.constexprs, launch.attrs), options=launch.options)
         assert compiled.asm["cubin"] == (out / k["files"][f"{launch.kernel}.cubin"]["path"]).read_bytes()
-    assert stats.loaded == 6  # forward, backward and its pre-pass, each also for packed sequences (VARLEN)
+    assert stats.loaded == 7  # forward (also persistent), backward and its pre-pass, each also for packed sequences (VARLEN)
 
 
 @pytest.mark.slow

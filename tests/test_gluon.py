@@ -175,7 +175,8 @@ def test_head_dim_256_has_a_forward_of_64_key_tiles_and_the_triton_backward():
 
 @pytest.mark.slow  # triton.compile for sm_90 in a subprocess: about 30 s on 2 cores
 def test_the_head_dim_256_forward_compiles_for_sm90(tmp_path):
-    """With dropout, plain and packed: the forward kernels alone, no spill, the register budgets in the PTX."""
+    """With dropout, plain and packed: the forward kernels alone (no persistent form at head_dim 256), no spill,
+    the register budgets in the PTX."""
     from attngen.codegen.gluon import build_source
 
     path = tmp_path / "d256_gluon.py"
@@ -360,6 +361,8 @@ def test_every_taken_spec_compiles_for_sm90(tmp_path):
         kernels = [k + tail for tail in tails for k in ("_attn_fwd", "_attn_bwd", "_bwd_delta")]
         if _spec(name).dropout:  # and with dropout compiled in
             kernels += [k + tail + " dropout" for k in ("_attn_fwd", "_attn_bwd") for tail in tails]
+        if plan_gluon(plan(_spec(name), "h100")).persistent:  # the forward's persistent form (calls of few keys)
+            kernels += ["_attn_fwd persistent"] + (["_attn_fwd persistent dropout"] if _spec(name).dropout else [])
         assert sorted((r["kernel"], r["dtype"]) for r in lines) == sorted((k, t) for t in ("bf16", "fp16") for k in kernels)
         for r in lines:
             assert r["cubin_bytes"] > 0 and 0 <= r["shared"] <= smem, (name, r)

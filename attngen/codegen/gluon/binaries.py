@@ -42,7 +42,7 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     from the signatures of a call on CPU tensors of these sizes (descriptors carry only their block shape and
     layout in the signature, and the sizes are never specialized: one binary serves every size), and with
     `varlen` their packed-sequence specializations ("... varlen"; not for runtime block sparsity, which takes
-    none); for a spec with dropout, the forward and backward with it compiled in too ("... dropout", "... varlen
+    none), and the forward's persistent form where the module has one ("_attn_fwd persistent"); for a spec with dropout, the forward and backward with it compiled in too ("... dropout", "... varlen
     dropout"). {kernel name: CompiledKernel}."""
     import torch
 
@@ -85,6 +85,9 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     # dropout compiled in (p > 0): the seed is a tensor the kernels read
     dropout, on = module.dropout_args(0.1, torch.tensor([2**40 + 7]), q.device) if hasattr(module, "dropout_args") else (None, None)
     kernels = {}
+    if getattr(module, "PERSISTENT_FORWARD", False):  # the forward's persistent form (short calls, not packed)
+        kernels["_attn_fwd persistent"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, persistent=True, **extra),
+                                                         warps | {"PERSISTENT": True})
     for tail, (q_, k_, o_, dq_), packed in calls:
         flag = {"VARLEN": True} if packed else {}
         kernels[f"_attn_fwd{tail}"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, **packed, **extra), warps | flag)
@@ -100,6 +103,10 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
                 kernels[f"_attn_bwd{tail} dropout"] = compile_kernel(
                     module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_, *inputs, dropout=dropout, **packed, **extra),
                     warps | flag | on)
+    if getattr(module, "PERSISTENT_FORWARD", False) and dropout is not None:
+        kernels["_attn_fwd persistent dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, dropout=dropout,
+                                                                                                      persistent=True, **extra),
+                                                                 warps | {"PERSISTENT": True} | on)
     return kernels
 
 

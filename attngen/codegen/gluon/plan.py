@@ -27,6 +27,12 @@ M_PER_WARPGROUP = 64
 REGISTERS_PER_SM = 65536
 LOAD_REGS = 24  # registers per thread the load warpgroup keeps (setmaxnreg.dec): it only issues TMA copies
 MAX_STAGES = 4
+# The forward's persistent form (a program per SM taking query tiles from a counter: a tile's Q loads under the last
+# one's end, and O leaves from a tile of its own) for calls of at most this many keys. Measured on the H100 against
+# a program per tile (BENCHMARKS.md, 2026-11-26 session 13; bf16, dense / causal / sliding window, d = 64 and 128):
+# 1.05-1.14x at 1024 keys (sliding window d=128 0.99x), 0.99-1.09x at 4096, 0.94-1.00x at 16384 (its ring is a stage
+# shorter at d = 128, beside the O tiles)
+PERSISTENT_MAX_KEYS = 4096
 # A block pattern's tiles are classified by pieces of sparse_block tokens where that proves this share of all tiles
 # empty beyond what whole tiles prove, at PIECES_PROBE_N tokens (butterfly_blocks: 69 % more; local_global and
 # strided_blocks: none, and the pieces' code made them 1.3-1.6x slower on the H100)
@@ -64,6 +70,11 @@ class GluonPlan:
     dq_split: str = "d"
     bwd_steps: tuple[Step, ...] = ()
     has_backward: bool = True  # False: the head dim has no Gluon backward (BACKWARD_HEAD_DIMS); the module holds the forward only
+    # the forward runs one program per SM, each taking work items (a query tile of a head) from a shared counter, so
+    # a program's next Q loads while its last item finishes (packed sequences keep one program per item)
+    persistent: bool = False
+    persistent_stages: int = 2  # its K/V ring, beside an O tile per consumer warpgroup
+    persistent_max_keys: int = 0  # the calls that take it: at most this many keys
 
     @property
     def block_m(self) -> int:
@@ -136,6 +147,16 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     smem = tgt.smem_per_block - SMEM_RESERVE
     stages = min(MAX_STAGES, (smem - q_bytes) // stage_bytes)
     steps.append(Step("ring stages", f"min({MAX_STAGES}, (smem {smem} - Q tiles {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages}"))
+    skips = isinstance(spec.sparsity, Expr) and base.classify  # a block pattern: the visited tiles have holes
+    # (declared inputs, head_dim 256 and block patterns: the load warp, which keeps 24 registers, spilled in the
+    # persistent form, compiled for sm_90; none of them measured)
+    persistent = spec.dtype is not DType.FP8 and spec.sparsity != "runtime" and not spec.inputs and d <= 128 and not skips
+    persistent_stages = min(MAX_STAGES, (smem - 2 * q_bytes) // stage_bytes)
+    steps.append(Step("persistent forward", f"calls of <= {PERSISTENT_MAX_KEYS} keys: a program per SM takes query tiles from a counter, the next "
+                                            f"one's Q loading under the last one's end, O stored from a tile of its own; its ring: min({MAX_STAGES}, "
+                                            f"(smem - Q and O tiles {2 * q_bytes}) // {stage_bytes}) (not for FP8, runtime block sparsity, declared "
+                                            "inputs, block patterns, head_dim 256; packed sequences: a program per tile)",
+                      f"{persistent_stages} stages" if persistent else "none"))
     threads = 32 * 4 * (consumers + 1)
     cap = REGISTERS_PER_SM // threads // 8 * 8
     consumer_regs = min(240, (REGISTERS_PER_SM // 128 - LOAD_REGS) // consumers // 8 * 8)
@@ -154,7 +175,8 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
         steps.append(Step("tile classes", f"by {spec.sparse_block} x {spec.sparse_block} pieces where that proves >= {PIECES_MIN_GAIN:.0%} more tiles empty "
                                           f"(N={PIECES_PROBE_N}: {pieces} of {total} by pieces, {whole} whole)",
                           f"{piece} x {piece} pieces" if piece else "whole tiles"))
-    return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), skip_empty, piece, **bwd)
+    return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), skip_empty, piece, **bwd, persistent=persistent,
+                     persistent_stages=persistent_stages, persistent_max_keys=PERSISTENT_MAX_KEYS)
 
 
 def _empty_tiles(base: KernelPlan, block_m: int, block_n: int, piece: int) -> tuple[int, int, int]:

@@ -82,6 +82,7 @@ def context(gp: GluonPlan) -> dict:
         # the pre-pass summaries: (index of the input among the declared ones, axis), in the order of the parameters
         "bounds": [(names.index(bnd.input), bnd.axis, bnd.param) for bnd in tile_class.bounds] if tile_class else [],
         "skip_empty": gp.skip_empty and tile_class is not None,  # the forward skips the holes of a block pattern
+        "persistent": gp.persistent,  # the forward: a program per SM taking work items (plan.py)
         "inputs": [_Input(i.name, i.dtype, len(i.dims)) for i in spec.inputs],
         "dkdv": KernelCode([translate(s) for s in dkdv.outer], [translate(s) for s in dkdv.inner], translate(dkdv.mask),
                            translate(dkdv.score), translate(dkdv.dscore), []),
