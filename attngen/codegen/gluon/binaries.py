@@ -42,8 +42,9 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     from the signatures of a call on CPU tensors of these sizes (descriptors carry only their block shape and
     layout in the signature, and the sizes are never specialized: one binary serves every size), and with
     `varlen` their packed-sequence specializations ("... varlen"; not for runtime block sparsity, which takes
-    none), and the forward's persistent form where the module has one ("_attn_fwd persistent"); for a spec with dropout, the forward and backward with it compiled in too ("... dropout", "... varlen
-    dropout"). {kernel name: CompiledKernel}."""
+    none), and the forward's persistent form where the module has one ("_attn_fwd persistent"); for a spec with
+    dropout, the forward and backward with it compiled in too ("... dropout", "... varlen dropout", "_attn_fwd
+    persistent dropout"). {kernel name: CompiledKernel}."""
     import torch
 
     from ...dtypes import TORCH_DTYPES

@@ -70,8 +70,9 @@ class GluonPlan:
     dq_split: str = "d"
     bwd_steps: tuple[Step, ...] = ()
     has_backward: bool = True  # False: the head dim has no Gluon backward (BACKWARD_HEAD_DIMS); the module holds the forward only
-    # the forward runs one program per SM, each taking work items (a query tile of a head) from a shared counter, so
-    # a program's next Q loads while its last item finishes (packed sequences keep one program per item)
+    # the forward has a persistent form, which calls of at most persistent_max_keys keys take: one program per SM,
+    # each taking work items (a query tile of a head) from a counter, so a program's next Q loads while its last
+    # item finishes (packed sequences keep one program per item)
     persistent: bool = False
     persistent_stages: int = 2  # its K/V ring, beside an O tile per consumer warpgroup
     persistent_max_keys: int = 0  # the calls that take it: at most this many keys
