@@ -81,7 +81,7 @@ def decode_row(kernels: dict, spec: Spec, batch: int, keys: int, queries: int, h
     gen = torch.Generator(device="cuda").manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype.value]
     d = spec.head_dim
-    nbytes = 2 * batch * kv_heads * keys * d * torch.tensor([], dtype=dtype).element_size()
+    nbytes = 2 * batch * kv_heads * keys * d * dtype.itemsize
     layers = max(1, min(MAX_LAYERS, LAYER_BYTES // nbytes))
     q = torch.randn(batch, heads, queries, d, device="cuda", dtype=dtype, generator=gen)
     caches = [tuple(torch.randn(batch, kv_heads, keys, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2)) for _ in range(layers)]

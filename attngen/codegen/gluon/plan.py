@@ -30,8 +30,8 @@ MAX_STAGES = 4
 # The forward's persistent form (a program per SM taking query tiles from a counter: a tile's Q loads under the last
 # one's end, and O leaves from a tile of its own) for calls of at most this many keys. Measured on the H100 against
 # a program per tile (BENCHMARKS.md, 2026-11-26 session 13; bf16, dense / causal / sliding window, d = 64 and 128):
-# 1.05-1.14x at 1024 keys (sliding window d=128 0.99x), 0.99-1.09x at 4096, 0.94-1.00x at 16384 (its ring is a stage
-# shorter at d = 128, beside the O tiles)
+# 1.05-1.14x at 1024 keys dense and causal (sliding windows 0.99-1.02x), 0.98-1.09x at 4096, 0.94-1.00x at 16384
+# (its ring is a stage shorter at d = 128, beside the O tiles)
 PERSISTENT_MAX_KEYS = 4096
 # A block pattern's tiles are classified by pieces of sparse_block tokens where that proves this share of all tiles
 # empty beyond what whole tiles prove, at PIECES_PROBE_N tokens (butterfly_blocks: 69 % more; local_global and
