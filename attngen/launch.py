@@ -36,27 +36,91 @@ class Launcher:
     def __init__(self, namespace: dict, name: str, **options: Any):
         self.namespace, self.name, self.options = namespace, name, options
         self.kernels: dict[tuple, tuple] = {}  # key -> (the compiled kernel, the values of the parameters after args)
+        self.known: dict[tuple, tuple] = {}  # (device, launch_as's known, keyword arguments) -> the same
 
     def __call__(self, grid, *args, **kwargs):
+        return self.launch_as(None, grid, *args, **kwargs)
+
+    def launch_as(self, known, grid, *args, **kwargs):
+        """As a call, where `known` (hashable; None: not known) stands for the arguments' specialization: the
+        caller guarantees that calls with equal `known` and keyword arguments specialize alike (a generated
+        module's Recipe, keyed by every shape, stride, element type and alignment its arguments follow from), so
+        a known call skips the key of every argument (10 us a launch on the H100's host)."""
         fn = self.namespace[self.name]
         hooks = triton.knobs.runtime
         if not isinstance(fn, triton.runtime.JITFunction) or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
             return fn[grid](*args, **self.options, **kwargs)
         device = driver.active.get_current_device()
-        key = (device, tuple(kwargs.items()), *_specializations(args))
-        found = self.kernels.get(key)
+        found = None if known is None else self.known.get((device, known, *kwargs.items()))
         if found is None:
-            kernel = fn[grid](*args, **self.options, **kwargs)
-            # what the JIT passes after the positional arguments: the keyword ones and the defaults, in the
-            # kernel's parameter order (constexprs among them: the compiled launcher skips those)
-            rest = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in fn.params[len(args):])
-            self.kernels[key] = (kernel, rest)
-            return kernel
+            key = (device, tuple(kwargs.items()), *_specializations(args))
+            found = self.kernels.get(key)
+            if found is None:
+                kernel = fn[grid](*args, **self.options, **kwargs)
+                # what the JIT passes after the positional arguments: the keyword ones and the defaults, in the
+                # kernel's parameter order (constexprs among them: the compiled launcher skips those)
+                rest = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in fn.params[len(args):])
+                found = self.kernels[key] = (kernel, rest)
+                if known is not None:
+                    self._know((device, known, *kwargs.items()), found)
+                return kernel
+            if known is not None:
+                self._know((device, known, *kwargs.items()), found)
         kernel, rest = found
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         kernel.run(grid_x, grid_y, grid_z, driver.active.get_current_stream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *args, *rest)
         return kernel
+
+
+    def _know(self, key: tuple, found: tuple) -> None:
+        if len(self.known) >= KEPT_CALLS:  # many signatures (lengths varying call by call): start again
+            self.known.clear()
+        self.known[key] = found
+
+
+# how many call signatures a Launcher's `known` and a module's recipes keep before starting again
+KEPT_CALLS = 4096
+
+
+class Recipe:
+    """A launch's arguments as a function of the call's tensors, recorded from one call's arguments: each argument
+    that is one of `tensors` (by identity) is that tensor's place, a TMA descriptor over one of them is its place
+    and everything else the descriptor holds, and any other argument (a size, a stride, a flag, None) a constant.
+    `args(tensors)` makes the arguments for another call's tensors. A generated module keeps a recipe per call
+    signature (every shape, stride, element type and alignment its arguments follow from), so a call like one made
+    before skips the layout decisions and descriptor checks that made its arguments (most of an eager call's host
+    time: 0.3-0.5 ms a training layer's forward and backward on the H100's host, BENCHMARKS.md). Raises
+    NotRecordable if an argument is a tensor not among `tensors` (it would be replayed stale). The caller gives
+    distinct tensors in every role that a later call may fill with distinct ones (else a role would be replayed as
+    the other's)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, args: tuple, tensors: tuple):
+        place = {}
+        for i, t in enumerate(tensors):  # an object given twice (the same buffer in two roles) is its first place
+            place.setdefault(id(t), i)
+        parts = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if id(a) not in place:
+                    raise NotRecordable("a tensor argument that is not one of the call's tensors")
+                parts.append((0, place[id(a)]))
+            elif getattr(a, "block_shape", None) is not None and isinstance(getattr(a, "base", None), torch.Tensor):
+                if id(a.base) not in place:
+                    raise NotRecordable("a descriptor over a tensor that is not one of the call's tensors")
+                parts.append((1, place[id(a.base)], type(a), a.shape, a.strides, a.block_shape, a.layout, a.padding))
+            else:
+                parts.append((2, a))
+        self.parts = tuple(parts)
+
+    def args(self, tensors: tuple) -> list:
+        return [tensors[p[1]] if p[0] == 0 else p[1] if p[0] == 2 else p[2](tensors[p[1]], *p[3:]) for p in self.parts]
+
+
+class NotRecordable(Exception):
+    """Recipe: a call whose arguments are not all functions of its tensors and signature."""
 
 
 def _specializations(args: tuple) -> list:

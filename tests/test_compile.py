@@ -228,6 +228,35 @@ def test_bad_calls_fail_while_tracing_with_the_eager_message(target):
         fn(q, q, q)
 
 
+def test_compiled_with_cuda_graph_trees_a_layer_replays_the_eager_results(device):
+    """torch.compile(fullgraph=True, mode="reduce-overhead") (inductor's CUDA graph trees) over a layer that calls a
+    causal spec on the model's views of one projection, at 1024 keys (the Gluon forward's persistent form on
+    sm_90): it runs, and its replays give the eager layer's O and gradients bit for bit. The graph trees stop a
+    run where a tensor made while a graph's first calls ran stays alive in the graph's pool (the persistent form's
+    counter was, once)."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    kern = attngen.compile(SPECS["causal"])
+
+    def layer(x):
+        q, k, v = x.unflatten(-1, (3, 2, kern.spec.head_dim)).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D) views
+        return kern(q, k, v).transpose(1, 2).flatten(2)
+
+    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(4):  # warm-up, recording, replays
+        x = torch.randn(2, 1024, 3 * 2 * kern.spec.head_dim, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+        do = torch.randn(2, 1024, 2 * kern.spec.head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        o = compiled(x)
+        (dx,) = torch.autograd.grad(o, x, do)
+        o, dx = o.clone(), dx.clone()  # (a replay's outputs live in the graph's pool)
+        x_eager = x.detach().requires_grad_()
+        o_eager = layer(x_eager)
+        (dx_eager,) = torch.autograd.grad(o_eager, x_eager, do)
+        assert not o.isnan().any() and not dx.isnan().any()
+        assert torch.equal(o, o_eager) and torch.equal(dx, dx_eager)
+
+
 @pytest.mark.parametrize("backend", ["triton", "gluon"])
 def test_dropout_captured_in_a_cuda_graph_draws_a_new_pattern_per_replay(backend, device):
     """Forward and backward with dropout captured in a CUDA graph: with the default seed every replay draws a new

@@ -520,6 +520,89 @@ def test_descriptors_address_every_layout_where_the_kernels_index_it():
         assert g._as_layout(laid, flag) is laid
 
 
+class _Recorder:
+    """A kernel's stand-in in a Gluon module (as attngen.bundle's recorders): keeps each launch's grid, arguments
+    and keyword arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def _same_arguments(got, expected, what):
+    """Launch arguments equal as the kernel sees them: the same tensors (by identity), descriptors over the same
+    tensor with equal shape, strides, block, layout and padding, equal values (and types) otherwise."""
+    assert len(got) == len(expected), what
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if isinstance(b, torch.Tensor):
+            assert a is b, (what, i)
+        elif hasattr(b, "block_shape"):
+            assert type(a) is type(b) and a.base is b.base, (what, i)
+            assert [list(a.shape), list(a.strides), list(a.block_shape), a.layout, a.padding] == \
+                [list(b.shape), list(b.strides), list(b.block_shape), b.layout, b.padding], (what, i)
+        else:
+            assert type(a) is type(b) and a == b, (what, i, a, b)
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window"])
+def test_a_call_like_one_before_launches_what_the_host_code_would(name, monkeypatch):
+    """attention_forward and attention_backward keep a recipe of their launches' arguments per call signature
+    (attngen.launch.Recipe), so a call like one made before skips the layout decisions that made them. On the CPU,
+    with the kernels swapped for recorders: such a call launches exactly the arguments, grid and flags that
+    launch_args, grid, delta_launch_args and bwd_launch_args give for its own tensors and outputs, in each layout
+    callers hand over, persistent or not (1024 and 4160 rows); a call whose tensors are copied first (k in rows,
+    v contiguous) or that passes one tensor in two roles keeps no recipe, and the next such call decides again."""
+    g = attngen.compile(_spec(name), "h100", backend="gluon").gluon
+    kernels = {n: _Recorder() for n in ("_attn_fwd", "_bwd_delta", "_attn_bwd")}
+    for n, rec in kernels.items():
+        monkeypatch.setitem(vars(g), n, rec)  # the Launchers look the kernel up in the module on every call
+    monkeypatch.setattr(g, "_FORWARD_CALLS", {})
+    monkeypatch.setattr(g, "_BACKWARD_CALLS", {})
+    made = []  # calls of the functions that make the arguments (the recipes replay them instead)
+    full = {fn: getattr(g, fn) for fn in ("launch_args", "delta_launch_args", "bwd_launch_args")}
+    for fn, f in full.items():
+        monkeypatch.setattr(g, fn, (lambda f, fn: lambda *a, **k: made.append(fn) or f(*a, **k))(f, fn))
+    gen = torch.Generator().manual_seed(0)
+    recorded = {"contiguous", "rows", "fused", "q rows, kv contiguous"}
+    for kv_len in (1024, 4160):
+        for layout in ("contiguous", "rows", "fused", "q rows, kv contiguous", "k rows, v contiguous"):
+            for call in range(2):
+                q, k, v = _layouts(2, 4, 2, kv_len, 128, torch.bfloat16, "cpu", gen)[layout]
+                what = (kv_len, layout, call)
+                made.clear()
+                o, lse = g.attention_forward(q, k, v)
+                known = call == 1 and layout in recorded
+                assert made == ([] if known else ["launch_args"]), what
+                grid, args, kwargs = kernels["_attn_fwd"].launches[-1]
+                assert args[4] is o and args[5] is lse and heads_in_rows(o) == heads_in_rows(q), what
+                persistent = g.takes_persistent(kv_len)
+                assert (grid, kwargs) == (g.grid(kv_len, 2, 4, q.device, persistent), {**g._FORWARD.options, **({"PERSISTENT": True} if persistent else {})}), what
+                if layout in recorded:
+                    _same_arguments(args, full["launch_args"](q, k, v, o, lse, persistent=persistent), what)
+                do = torch.randn(o.shape, generator=gen).to(torch.bfloat16)
+                do = empty_laid_out(o.shape, o.dtype, "cpu", heads_in_rows(o)).copy_(do)  # as the layer's gradient comes
+                made.clear()
+                grads = g.attention_backward(q, k, v, o, lse, do, None)
+                assert made == ([] if known else ["delta_launch_args", "bwd_launch_args"]), what
+                assert all(t.shape == x.shape and heads_in_rows(t) == heads_in_rows(x) for t, x in zip(grads, (q, k, v))), what
+                if layout not in recorded:
+                    continue
+                (dgrid, dargs, _), (bgrid, bargs, _) = kernels["_bwd_delta"].launches[-1], kernels["_attn_bwd"].launches[-1]
+                stats, dq, dk, dv, order = bargs[4].base, bargs[5].base, bargs[6], bargs[7], bargs[8:10]
+                assert dk is grads[1] and dv is grads[2], what
+                _same_arguments(bargs, full["bwd_launch_args"](q, k, v, do, stats, order, dq, dk, dv), what)
+                _same_arguments(dargs, full["delta_launch_args"](o, do, lse, None, stats, order, k, dq=dq), what)
+                assert bgrid == g.bwd_grid(kv_len, 2, 2) and dgrid == (-(-stats.shape[2] // g.DELTA_ROWS), 8), what
+    assert len(g._FORWARD_CALLS) == len(g._BACKWARD_CALLS) == 2 * len(recorded)
+    q, k, v = _layouts(2, 4, 2, 64, 128, torch.bfloat16, "cpu", gen)["contiguous"]
+    made.clear()
+    g.attention_forward(q, k, k)  # one tensor as both k and v: decided each time
+    g.attention_forward(q, k, k)
+    assert made == ["launch_args"] * 2 and len(g._FORWARD_CALLS) == 2 * len(recorded)
+
+
 @pytest.mark.parametrize("name", ["causal", "dense", "causal_dropout"])
 def test_gluon_reads_q_k_v_in_the_layout_they_come_in(name, device):
     """Forward and backward through Gluon on q, k, v in every layout of _layouts, GQA, with lengths that end inside

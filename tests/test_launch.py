@@ -188,6 +188,14 @@ def test_the_launcher_launches_a_kept_kernel_for_an_equal_key(monkeypatch):
     launcher((5,), x, 200, BLOCK=64)  # a stand-in put in the module (attngen.bundle's recorders) is what runs
     assert recorded == [((5,), (x, 200), {"num_warps": 4, "BLOCK": 64})] and len(jit.kernel.runs) == 2
     namespace["_k"] = jit
+    runs = len(jit.kernel.runs)
+    launcher.launch_as("signature", (5,), x, 200, BLOCK=64)  # a known call's first launch: its key, the kept kernel
+    launcher.launch_as("signature", (5,), x, 208, BLOCK=64)  # then the known stands for the key (the caller's promise)
+    assert len(jit.calls) == 7 and len(jit.kernel.runs) == runs + 2 and jit.kernel.runs[-1][-3] == 208
+    launcher.launch_as("signature", (5,), x, 200, BLOCK=32)  # other keyword arguments: not that known call (the JIT)
+    assert len(jit.calls) == 8
+    launcher.launch_as("other", (5,), x, 208, BLOCK=64)  # another known: its own key (208's kernel, kept above)
+    assert len(jit.calls) == 8 and len(jit.kernel.runs) == runs + 3 and launcher.known[(0, "other", ("BLOCK", 64))][0] is jit.kernel
     calls = len(jit.calls)
     launcher((5,), x, triton.language.constexpr(300), BLOCK=64)
     launcher((5,), x, triton.language.constexpr(301), BLOCK=64)  # a constexpr object's value is compiled in: a key per value
