@@ -21,7 +21,7 @@ def test_build_writes_one_module_per_spec_and_target(tmp_path, capsys):
     assert main(["build", str(ROOT / "specs" / "causal.attn"), str(ROOT / "specs" / "document.attn"), "--target", "h100", "--target", "a100",
                  "-o", str(tmp_path), "--no-binaries"]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
-    # on the H100 the Gluon generator renders causal's forward and document's (head_dim 64: for calls of 2048 keys or more): their modules too
+    # on the H100 the Gluon generator renders causal's forward and document's (head_dim 64: for calls of 1024 keys or more): their modules too
     assert names == ["causal_a100.py", "causal_h100.py", "causal_h100_gluon.py", "document_a100.py", "document_h100.py", "document_h100_gluon.py",
                      "manifest.json"]
     assert "wrote" in capsys.readouterr().out

@@ -21,10 +21,13 @@ from .render import context
 # At head_dim 64 the Gluon kernels against the Triton generator's (benchmarks/head_dims.py --dims 64, both passes,
 # dQ in a fixed order, bf16, B*N = 16384; BENCHMARKS.md, 2026-11-26 session 12), forward / backward: 0.96 / 0.97x
 # (dense) and 0.90 / 0.94x (causal) at 1024 keys, 1.04 / 1.07x and 0.99 / 1.14x at 2048, 1.10-1.12 / 1.12-1.23x at
-# 4096, 1.16-1.18 / 1.19-1.24x at 16384. So under auto a call of such a spec with fewer keys than this takes the
-# Triton generator for both passes, and the Gluon generator's from there on.
-GLUON_MIN_KEYS = {64: 2048}
-MIN_KEYS_MEASURED = ("the Gluon kernels measured 0.90-0.97x the Triton generator's at 1024 keys and 0.99-1.24x from 2048 "
+# 4096, 1.16-1.18 / 1.19-1.24x at 16384. Since session 13's persistent forward for short calls and its backward's dQ
+# no longer zeroed first (BENCHMARKS.md, 2026-11-26 session 14, the same command): 1.08 / 1.02x (dense) and 1.02 / 1.01x
+# (causal) at 1024 keys, 1.16 / 1.07x and 1.13 / 1.21x at 2048; at 512 keys 1.05 / 0.96x and 0.86 / 0.89x, at 256
+# 1.04 / 0.89x and 0.80 / 0.87x. So under auto a call of such a spec with fewer keys than this takes the Triton
+# generator for both passes, and the Gluon generator's from there on.
+GLUON_MIN_KEYS = {64: 1024}
+MIN_KEYS_MEASURED = ("the Gluon kernels measured 0.80-1.05x the Triton generator's at 256 and 512 keys and 1.01-1.21x from 1024 "
                      "(head_dim 64, H100)")
 # FP8 at d=128 on the H100 (BENCHMARKS.md, 2026-11-26 session 9): the Gluon forward 1.13-1.20x the Triton generator's
 FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
