@@ -20,6 +20,16 @@ def pytest_configure(config):
     os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-test-cache-")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `interpreter` check the CPU path itself (Triton's interpreter, CPU tensors): under --device cuda
+    triton is imported without TRITON_INTERPRET, so they are skipped there, saying why."""
+    if config.getoption("--device") == "cuda":
+        skip = pytest.mark.skip(reason="a test of the CPU path (Triton's interpreter), which --device cuda leaves off")
+        for item in items:
+            if "interpreter" in item.keywords:
+                item.add_marker(skip)
+
+
 def pytest_runtest_logreport(report):
     """With ATTNGEN_FAILURE_LOG set, append each failure's report as it happens (for runs that may be cut off)."""
     path = os.environ.get("ATTNGEN_FAILURE_LOG")

@@ -105,6 +105,7 @@ def _quantized(granularity="block"):
     return (q8, k8, v8), {"q_descale": qd, "k_descale": kd, "v_descale": vd}
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
 def test_a_call_matches_the_reference_of_the_dequantized_inputs(granularity):
     """The CPU path (float32 kernels on the dequantized inputs, O in bf16) against float64 attention of the same
@@ -121,6 +122,7 @@ def test_a_call_matches_the_reference_of_the_dequantized_inputs(granularity):
     assert (o.double() - exact).pow(2).mean().sqrt() < 2e-2  # FP8 inputs: about 1e-2 RMSE on standard normal data
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("spec,granularity", [(CAUSAL, "block"), (CAUSAL, "head"), (ALIBI, "block")])
 def test_the_fp8_kernel_applies_its_descale_factors(spec, granularity):
     """The FP8 kernel itself in the interpreter: its lse is the reference's (Q's and K's factors, per block or per
@@ -224,6 +226,7 @@ def test_the_gluon_fp8_forward_compiles_for_sm90(tmp_path):
 KV_FP8 = "attention dec8 {{ head_dim = 64 dtype = bf16 kv_dtype = fp8 mask = kv_idx <= q_idx + kv_len - q_len {extra} }}"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 @pytest.mark.parametrize("scales", ["head", "tensor", "sequence"])
 def test_decoding_from_fp8_caches(layout, scales):
