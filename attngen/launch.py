@@ -12,6 +12,9 @@ the keyword arguments: constexprs and launch options, by value), so no call reac
 arguments; tests/test_launch.py checks this against Triton's own binder. Calls go through the JIT while a launch
 hook is set (a profiler: the JIT calls it) and where the kernel is not a JITFunction (Triton's CPU interpreter;
 the recorders attngen.bundle swaps in while it builds a bundle).
+
+A generated module may go further for calls like ones made before: a `Recipe` replays a launch's arguments from
+the call's tensors, and `Launcher.launch_as` takes the module's call signature in place of the key.
 """
 from __future__ import annotations
 
@@ -72,7 +75,6 @@ class Launcher:
                    kernel.packed_metadata, None, None, None, *args, *rest)
         return kernel
 
-
     def _know(self, key: tuple, found: tuple) -> None:
         if len(self.known) >= KEPT_CALLS:  # many signatures (lengths varying call by call): start again
             self.known.clear()
@@ -89,8 +91,8 @@ class Recipe:
     and everything else the descriptor holds, and any other argument (a size, a stride, a flag, None) a constant.
     `args(tensors)` makes the arguments for another call's tensors. A generated module keeps a recipe per call
     signature (every shape, stride, element type and alignment its arguments follow from), so a call like one made
-    before skips the layout decisions and descriptor checks that made its arguments (most of an eager call's host
-    time: 0.3-0.5 ms a training layer's forward and backward on the H100's host, BENCHMARKS.md). Raises
+    before skips the layout decisions and descriptor checks that made its arguments (on the H100's host they took
+    250-340 us of a training layer's forward and backward; BENCHMARKS.md, 2026-11-26 session 14). Raises
     NotRecordable if an argument is a tensor not among `tensors` (it would be replayed stale). The caller gives
     distinct tensors in every role that a later call may fill with distinct ones (else a role would be replayed as
     the other's)."""
