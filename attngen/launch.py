@@ -18,6 +18,7 @@ the call's tensors, and `Launcher.launch_as` takes the module's call signature i
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ class Launcher:
         self.namespace, self.name, self.options = namespace, name, options
         self.kernels: dict[tuple, tuple] = {}  # key -> (the compiled kernel, the values of the parameters after args)
         self.known: dict[tuple, tuple] = {}  # (device, launch_as's known, keyword arguments) -> the same
+        self.direct: dict[tuple, Any] = {}  # the same key -> its _DirectLaunch, or False where there is none
 
     def __call__(self, grid, *args, **kwargs):
         return self.launch_as(None, grid, *args, **kwargs)
@@ -74,6 +76,27 @@ class Launcher:
         kernel.run(grid_x, grid_y, grid_z, driver.active.get_current_stream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *args, *rest)
         return kernel
+
+    def launch_recipe(self, known, grid, recipe: Recipe, tensors: tuple, **kwargs):
+        """launch_as(known, grid, *recipe.args(tensors), **kwargs), the arguments made straight into the form
+        Triton's compiled launcher takes (_DirectLaunch): no descriptor objects, no pass of Triton's Python over
+        the arguments. Where that form cannot be made (see _DirectLaunch.of), as launch_as."""
+        fn = self.namespace[self.name]
+        hooks = triton.knobs.runtime
+        if not isinstance(fn, triton.runtime.JITFunction) or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+            return fn[grid](*recipe.args(tensors), **self.options, **kwargs)
+        device = driver.active.get_current_device()
+        key = (device, known, *kwargs.items())
+        direct = self.direct.get(key)
+        if not direct:
+            kernel = self.launch_as(known, grid, *recipe.args(tensors), **kwargs)
+            if direct is None and key in self.known:
+                if len(self.direct) >= KEPT_CALLS:
+                    self.direct.clear()
+                self.direct[key] = _DirectLaunch.of(*self.known[key], recipe) or False
+            return kernel
+        direct(grid, tensors, driver.active.get_current_stream(device))
+        return direct.kernel
 
     def _know(self, key: tuple, found: tuple) -> None:
         if len(self.known) >= KEPT_CALLS:  # many signatures (lengths varying call by call): start again
@@ -119,6 +142,69 @@ class Recipe:
 
     def args(self, tensors: tuple) -> list:
         return [tensors[p[1]] if p[0] == 0 else p[1] if p[0] == 2 else p[2](tensors[p[1]], *p[3:]) for p in self.parts]
+
+
+class _DirectLaunch:
+    """A kept kernel's launch for a Recipe's calls, in the form Triton 3.6's compiled launcher (the C function
+    behind CudaLauncher) takes: its base arguments, then each kernel argument, a TMA descriptor expanded to its
+    encoded tensor map, shape and strides (what triton.backends.nvidia.driver's wrap_handle_tensordesc and
+    make_tensordesc_arg do per call). Everything but the call's tensors and their tensor maps is made once: the
+    call fills a copy of that list. (On the H100's host Triton's Python around the C launch, descriptors included,
+    took about 30 us a launch.) tests/test_launch.py checks the list against Triton's own path."""
+
+    __slots__ = ("kernel", "raw", "template", "tensor_slots", "desc_slots", "fill", "coop", "pdl")
+
+    @classmethod
+    def of(cls, kernel, rest: tuple, recipe: Recipe) -> "_DirectLaunch | None":
+        """The direct launch of `kernel` (with `rest`, the values after the positional arguments) for `recipe`'s
+        calls; None where its launcher is not Triton 3.6's CudaLauncher as read here, or needs what the direct form
+        leaves out (scratch memory, tensor maps without metadata, FP4 padding)."""
+        run = getattr(kernel, "run", None)
+        if type(run).__name__ != "CudaLauncher" or run.global_scratch_size or run.profile_scratch_size or getattr(run, "num_ctas", 1) != 1:
+            return None
+        launch = run.launch
+        indices, metas = set(), []
+        if getattr(launch, "__name__", None) == "inner":  # wrap_handle_tensordesc's wrapper: the arguments with descriptors
+            found = inspect.getclosurevars(launch).nonlocals
+            launch, indices, metas = found.get("launcher"), found.get("tensordesc_indices"), list(found.get("tensordesc_meta") or ())
+            if launch is None or indices is None or len(metas) != len(indices) or any(m is None or m.get("fp4_padded") for m in metas):
+                return None
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+        self = cls()
+        self.kernel, self.raw, self.coop, self.pdl = kernel, launch, run.launch_cooperative_grid, run.launch_pdl
+        self.fill = driver.active.utils.fill_tma_descriptor
+        template, tensor_slots, desc_slots = [], [], []
+        metas = iter(metas)
+        for i, part in enumerate(recipe.parts + tuple((2, value) for value in rest)):
+            if i in indices:
+                if part[0] != 1:
+                    return None
+                meta = next(metas)
+                _, place, _, shape, strides, _, _, padding = part
+                desc_slots.append((len(template), place, (meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                                                          meta["block_size"], shape, strides, 1 if padding == "nan" else 0)))
+                template += [None, *shape, *strides]
+            elif part[0] == 0:
+                tensor_slots.append((len(template), part[1]))
+                template.append(None)
+            elif part[0] == 2:
+                template.append(part[1])
+            else:  # a descriptor where the kernel takes none
+                return None
+        self.template, self.tensor_slots, self.desc_slots = template, tuple(tensor_slots), tuple(desc_slots)
+        return self
+
+    def __call__(self, grid, tensors: tuple, stream: int) -> None:
+        args = self.template.copy()
+        for at, place in self.tensor_slots:
+            args[at] = tensors[place]
+        for at, place, encoding in self.desc_slots:
+            args[at] = self.fill(tensors[place].data_ptr(), *encoding)
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        kernel = self.kernel
+        self.raw(grid_x, grid_y, grid_z, stream, kernel.function, self.coop, self.pdl, None, None, kernel.packed_metadata, None, None, None,
+                 *args)
 
 
 class NotRecordable(Exception):

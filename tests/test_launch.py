@@ -200,3 +200,62 @@ def test_the_launcher_launches_a_kept_kernel_for_an_equal_key(monkeypatch):
     launcher((5,), x, triton.language.constexpr(300), BLOCK=64)
     launcher((5,), x, triton.language.constexpr(301), BLOCK=64)  # a constexpr object's value is compiled in: a key per value
     assert len(jit.calls) == calls + 2
+    runs, y = len(jit.kernel.runs), torch.zeros(64)
+    recipe = launch.Recipe((x, 200), (x,))
+    launcher.launch_recipe("recipe", (5,), recipe, (x,), BLOCK=64)  # the kept kernel, through launch_as
+    launcher.launch_recipe("recipe", (5,), recipe, (y,), BLOCK=64)  # no direct form for this stand-in's launcher: launch_as again
+    assert launcher.direct[(0, "recipe", ("BLOCK", 64))] is False and len(jit.kernel.runs) == runs + 2
+    assert jit.kernel.runs[-1][9:11] == (y, 200)  # the recipe replayed with the call's tensor
+
+
+def test_a_direct_launch_passes_what_triton_s_launcher_would(monkeypatch):
+    """_DirectLaunch against Triton 3.6's own path, run for real on the CPU: CudaLauncher.__call__ and
+    wrap_handle_tensordesc with make_tensordesc_arg, around a stand-in for the compiled C launch (it records its
+    arguments) and a stand-in tensor-map encoder. For a recipe of descriptors, tensors and constants, replayed with
+    other tensors, and the values after the positional ones: the same arguments in the same order. None where the
+    launcher needs scratch memory or a tensor map has no metadata."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia import driver as nv
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    encode = lambda ptr, swizzle, size, dtype, block, shape, strides, padding: ("map", ptr, swizzle, size, dtype, tuple(block), tuple(shape),
+                                                                               tuple(strides), padding)
+    monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(utils=SimpleNamespace(fill_tma_descriptor=encode)))
+    received = []
+    signature = {0: "tensordesc<bf16[1,64,128]>", 1: "*bf16", 2: "i32", 3: "tensordesc<fp32[64,32]>", 4: "*fp32", 5: "constexpr", 6: "i1",
+                 7: "i32"}
+    metas = [{"swizzle": 128, "elem_size": 2, "elem_type": 9, "block_size": [1, 64, 128], "fp4_padded": False},
+             {"swizzle": 0, "elem_size": 4, "elem_type": 8, "block_size": [64, 32], "fp4_padded": False}]
+    run = object.__new__(nv.CudaLauncher)
+    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, True
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.launch = nv.wrap_handle_tensordesc(lambda *args: received.append(args), signature, metas)
+    kernel = SimpleNamespace(run=run, function=4321, packed_metadata=("metadata",))
+
+    def tensors():
+        return torch.zeros(2, 64, 256, dtype=torch.bfloat16), torch.zeros(64, 64), torch.zeros(8)
+
+    def args(q, s, _):
+        q_desc = TensorDescriptor(q, [2, 64, 256], [64 * 256, 256, 1], [1, 64, 128], gl.NVMMASharedLayout.get_default_for([1, 64, 128], gl.bfloat16))
+        s_desc = TensorDescriptor(s, [64, 64], [64, 1], [64, 32], gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32))
+        return (q_desc, q, 33, s_desc, s)
+
+    first = tensors()
+    recipe = launch.Recipe(args(*first), first)
+    rest = (16, True, 5)  # a constexpr's value, a flag, a default
+    direct = launch._DirectLaunch.of(kernel, rest, recipe)
+    for call in (first, tensors()):
+        kernel.run(3, 2, 1, 77, kernel.function, kernel.packed_metadata, None, None, None, *recipe.args(call), *rest)
+        direct((3, 2), call, 77)
+        triton_args, direct_args = received[-2:]
+        assert len(triton_args) == len(direct_args) == 13 + 7 + 1 + 1 + 5 + 1 + 3  # base, q's map shape strides, q, 33, s's, s, rest
+        assert all(a is b if isinstance(b, torch.Tensor) else a == b for a, b in zip(direct_args, triton_args)), (direct_args, triton_args)
+        assert direct_args[13][:2] == ("map", call[0].data_ptr()) and direct_args[20] is call[0]  # the map of this call's q, then q
+    run.global_scratch_size = 64
+    assert launch._DirectLaunch.of(kernel, rest, recipe) is None  # Triton allocates scratch per launch: not here
+    run.global_scratch_size = 0
+    run.launch = nv.wrap_handle_tensordesc(lambda *args: received.append(args), signature, [None, None])
+    assert launch._DirectLaunch.of(kernel, rest, recipe) is None  # descriptors passed as their parts: not here
