@@ -52,8 +52,7 @@ class Launcher:
         module's Recipe, keyed by every shape, stride, element type and alignment its arguments follow from), so
         a known call skips the key of every argument (10 us a launch on the H100's host)."""
         fn = self.namespace[self.name]
-        hooks = triton.knobs.runtime
-        if not isinstance(fn, triton.runtime.JITFunction) or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+        if _through_jit(fn):
             return fn[grid](*args, **self.options, **kwargs)
         device = driver.active.get_current_device()
         found = None if known is None else self.known.get((device, known, *kwargs.items()))
@@ -82,8 +81,7 @@ class Launcher:
         Triton's compiled launcher takes (_DirectLaunch): no descriptor objects, no pass of Triton's Python over
         the arguments. Where that form cannot be made (see _DirectLaunch.of), as launch_as."""
         fn = self.namespace[self.name]
-        hooks = triton.knobs.runtime
-        if not isinstance(fn, triton.runtime.JITFunction) or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+        if _through_jit(fn):
             return fn[grid](*recipe.args(tensors), **self.options, **kwargs)
         device = driver.active.get_current_device()
         key = (device, known, *kwargs.items())
@@ -102,6 +100,13 @@ class Launcher:
         if len(self.known) >= KEPT_CALLS:  # many signatures (lengths varying call by call): start again
             self.known.clear()
         self.known[key] = found
+
+
+def _through_jit(fn) -> bool:
+    """Whether a launch of `fn` goes through `fn[grid](...)`: where it is not a JITFunction (Triton's interpreter, a
+    bundle's recorder) or a launch hook is set (a profiler: the JIT calls it)."""
+    hooks = triton.knobs.runtime
+    return not isinstance(fn, triton.runtime.JITFunction) or bool(hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls)
 
 
 # how many call signatures a Launcher's `known` and a module's recipes keep before starting again
