@@ -350,11 +350,17 @@ def record_gluon_launches(kernel_plan, choice, module, arch: int) -> list[_Launc
                     module.attention_forward(q, k, v, *tensors, **extra, **sparse, persistent=not module.takes_persistent(k.shape[2]))
                 if choice.backward == "gluon":
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, **sparse)
+                    if getattr(module, "PERSISTENT_BACKWARD_MAX_KEYS", 0):  # both forms of the backward: each call length takes one
+                        module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, **sparse,
+                                                  persistent=not module.takes_persistent_backward(k.shape[2]))
         for q, k, v, varlen, tensors, _ in _packed_calls(spec) if takes_packed(spec) else ():
             for extra in dropouts:
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra, varlen=varlen)
                 if choice.backward == "gluon":
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, varlen=varlen)
+                    if getattr(module, "PERSISTENT_BACKWARD_MAX_KEYS", 0):
+                        module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, varlen=varlen,
+                                                  persistent=not module.takes_persistent_backward(varlen[3]))
     return _unique(sink)
 
 

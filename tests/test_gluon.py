@@ -363,6 +363,8 @@ def test_every_taken_spec_compiles_for_sm90(tmp_path):
             kernels += [k + tail + " dropout" for k in ("_attn_fwd", "_attn_bwd") for tail in tails]
         if plan_gluon(plan(_spec(name), "h100")).persistent:  # the forward's persistent form (calls of few keys)
             kernels += ["_attn_fwd persistent"] + (["_attn_fwd persistent dropout"] if _spec(name).dropout else [])
+        if det and plan_gluon(plan(_spec(name), "h100")).bwd_persistent_max_keys:  # the backward's (head_dim 64: calls of few keys)
+            kernels += [f"_attn_bwd{tail} persistent" for tail in tails] + [f"_attn_bwd{tail} persistent dropout" for tail in tails if _spec(name).dropout]
         assert sorted((r["kernel"], r["dtype"]) for r in lines) == sorted((k, t) for t in ("bf16", "fp16") for k in kernels)
         for r in lines:
             assert r["cubin_bytes"] > 0 and 0 <= r["shared"] <= smem, (name, r)
@@ -463,6 +465,47 @@ def test_gluon_backward_matches_the_reference(name, deterministic, device):
         assert torch.equal(o1, o2) and torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
         assert not torch.isnan(dq1).any() and torch.allclose(dq1.float(), dq2.float(), rtol=0, atol=1e-2)
         assert torch.equal(dq1, dq2) or not deterministic
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "causal_dropout", "block_sparse_runtime"])
+def test_the_persistent_backward_gives_the_gradients_of_a_program_per_item(name, device, monkeypatch):
+    """The backward's two forms (a program per SM taking key tiles by ticket, or one per key tile) add dQ's parts
+    in the same order: O and every gradient bit-identical, whichever form a call's length would pick (head_dim
+    128 and 64, ranked tile classes, dropout, runtime block sparsity, GQA, a length ending inside a tile, more
+    work items than SMs); packed sequences too."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    kern = attngen.compile(_spec(name), backend="gluon")
+    g = kern.gluon
+    assert kern.generator.backward == "gluon" and hasattr(g, "takes_persistent_backward")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    d = kern.spec.head_dim
+    for B, Hq, Hkv, N in ((2, 4, 2, 777), (3, 8, 2, 2100)):
+        q, do = (torch.randn(B, Hq, N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        k, v = (torch.randn(B, Hkv, N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        inputs = verify.make_inputs(kern.spec, B, Hq, N, N, "cuda", torch.Generator().manual_seed(1))
+        inputs |= {"seed": 5} if kern.spec.dropout else {}
+        runs = []
+        for persistent in (True, False):
+            monkeypatch.setattr(g, "takes_persistent_backward", lambda kv_len, p=persistent: p)
+            monkeypatch.setattr(g, "_BACKWARD_CALLS", {}, raising=False)
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = kern(*leaves, **inputs)
+            runs.append((out, *torch.autograd.grad(out, leaves, do)))
+        for a, b in zip(*runs):
+            assert not torch.isnan(a).any() and torch.equal(a, b), (name, B, Hq, N)
+    if name == "causal":  # packed sequences
+        lengths = [5, 300, 1, 2049, 128]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        q, k, v, do = (torch.randn(sum(lengths), 4, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+        runs = []
+        for persistent in (True, False):
+            monkeypatch.setattr(g, "takes_persistent_backward", lambda kv_len, p=persistent: p)
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = kern(*leaves, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+            runs.append((out, *torch.autograd.grad(out, leaves, do)))
+        for a, b in zip(*runs):
+            assert not torch.isnan(a).any() and torch.equal(a, b), "packed"
 
 
 def _layouts(B, Hq, Hkv, N, D, dtype, device, gen):
@@ -589,12 +632,14 @@ def test_a_call_like_one_before_launches_what_the_host_code_would(name, monkeypa
                 assert all(t.shape == x.shape and heads_in_rows(t) == heads_in_rows(x) for t, x in zip(grads, (q, k, v))), what
                 if layout not in recorded:
                     continue
-                (dgrid, dargs, _), (bgrid, bargs, _) = kernels["_bwd_delta"].launches[-1], kernels["_attn_bwd"].launches[-1]
+                (dgrid, dargs, _), (bgrid, bargs, bkwargs) = kernels["_bwd_delta"].launches[-1], kernels["_attn_bwd"].launches[-1]
                 stats, dq, dk, dv, order = bargs[4].base, bargs[5].base, bargs[6], bargs[7], bargs[8:10]
                 assert dk is grads[1] and dv is grads[2], what
                 _same_arguments(bargs, full["bwd_launch_args"](q, k, v, do, stats, order, dq, dk, dv), what)
                 _same_arguments(dargs, full["delta_launch_args"](o, do, lse, None, stats, order, k, dq=dq), what)
-                assert bgrid == g.bwd_grid(kv_len, 2, 2) and dgrid == (-(-stats.shape[2] // g.DELTA_ROWS), 8), what
+                persistent = g.takes_persistent_backward(kv_len)
+                assert bgrid == g.bwd_grid(kv_len, 2, 2, q.device, persistent) and dgrid == (-(-stats.shape[2] // g.DELTA_ROWS), 8), what
+                assert bkwargs == {**g._BACKWARD.options, **({"PERSISTENT": True} if persistent else {})}, what
     assert len(g._FORWARD_CALLS) == len(g._BACKWARD_CALLS) == 2 * len(recorded)
     q, k, v = _layouts(2, 4, 2, 64, 128, torch.bfloat16, "cpu", gen)["contiguous"]
     made.clear()

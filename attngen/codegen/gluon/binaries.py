@@ -44,7 +44,8 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     `varlen` their packed-sequence specializations ("... varlen"; not for runtime block sparsity, which takes
     none), and the forward's persistent form where the module has one ("_attn_fwd persistent"); for a spec with
     dropout, the forward and backward with it compiled in too ("... dropout", "... varlen dropout", "_attn_fwd
-    persistent dropout"). {kernel name: CompiledKernel}."""
+    persistent dropout"), and the backward's persistent form where the module's calls take one ("_attn_bwd
+    persistent", "... varlen persistent", and with dropout "... persistent dropout"). {kernel name: CompiledKernel}."""
     import torch
 
     from ...dtypes import TORCH_DTYPES
@@ -89,21 +90,24 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     if getattr(module, "PERSISTENT_FORWARD", False):  # the forward's persistent form (short calls, not packed)
         kernels["_attn_fwd persistent"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, persistent=True, **extra),
                                                          warps | {"PERSISTENT": True})
+    # the backward's forms: a program per work item, and persistent (a program per SM) where calls take it
+    bwd_forms = {"": {}} | ({" persistent": {"PERSISTENT": True}} if getattr(module, "PERSISTENT_BACKWARD_MAX_KEYS", 0) else {})
     for tail, (q_, k_, o_, dq_), packed in calls:
         flag = {"VARLEN": True} if packed else {}
         kernels[f"_attn_fwd{tail}"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, **packed, **extra), warps | flag)
         if backward:
-            kernels[f"_attn_bwd{tail}"] = compile_kernel(module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_, *inputs,
-                                                                                                 **packed, **extra), warps | flag)
+            for form, on_form in bwd_forms.items():
+                kernels[f"_attn_bwd{tail}{form}"] = compile_kernel(module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_,
+                                                                                                           *inputs, **packed, **extra), warps | flag | on_form)
             kernels[f"_bwd_delta{tail}"] = compile_kernel(module._bwd_delta, module.delta_launch_args(o_, o_, lse, None, stats, order, k_, *inputs,
                                                                                                     dq=dq_, **packed, **extra), {"num_warps": 4} | flag)
         if dropout is not None:
             kernels[f"_attn_fwd{tail} dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, dropout=dropout,
                                                                                                        **packed, **extra), warps | flag | on)
-            if backward:
-                kernels[f"_attn_bwd{tail} dropout"] = compile_kernel(
+            for form, on_form in bwd_forms.items() if backward else ():
+                kernels[f"_attn_bwd{tail}{form} dropout"] = compile_kernel(
                     module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_, *inputs, dropout=dropout, **packed, **extra),
-                    warps | flag | on)
+                    warps | flag | on | on_form)
     if getattr(module, "PERSISTENT_FORWARD", False) and dropout is not None:
         kernels["_attn_fwd persistent dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, dropout=dropout,
                                                                                                       persistent=True, **extra),

@@ -33,6 +33,13 @@ MAX_STAGES = 4
 # 1.05-1.14x at 1024 keys dense and causal (sliding windows 0.99-1.02x), 0.98-1.09x at 4096, 0.94-1.00x at 16384
 # (its ring is a stage shorter at d = 128, beside the O tiles)
 PERSISTENT_MAX_KEYS = 4096
+# The backward's persistent form (a program per SM taking work items by ticket: an item's K and V load under the
+# last one's final products and dK/dV stores), with dQ in a fixed order, for calls of at most this many keys at
+# head_dim <= 64. Measured on the H100 against a program per item (BENCHMARKS.md, 2026-11-26 session 15; bf16,
+# outputs bit-identical): at d = 64 1.06-1.07x at 1024 keys, 1.02-1.04x at 2048, 0.92-1.03x at 16384; at d = 128
+# 0.99-1.02x from 1024 to 16384 (causal 16384: 0.97-0.98x), packed sequences and documents 0.99-1.02x
+PERSISTENT_BACKWARD_MAX_KEYS = 2048
+PERSISTENT_BACKWARD_HEAD_DIM = 64
 # A block pattern's tiles are classified by pieces of sparse_block tokens where that proves this share of all tiles
 # empty beyond what whole tiles prove, at PIECES_PROBE_N tokens (butterfly_blocks: 69 % more; local_global and
 # strided_blocks: none, and the pieces' code made them 1.3-1.6x slower on the H100)
@@ -76,6 +83,9 @@ class GluonPlan:
     persistent: bool = False
     persistent_stages: int = 2  # its K/V ring, beside an O tile per consumer warpgroup
     persistent_max_keys: int = 0  # the calls that take it: at most this many keys
+    # the backward (dQ in a fixed order) likewise: calls of at most this many keys take a program per SM taking
+    # work items (key tiles of a (batch, key/value head)) by ticket; 0: none
+    bwd_persistent_max_keys: int = 0
 
     @property
     def block_m(self) -> int:
@@ -216,5 +226,9 @@ def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
     stages = min(3, (smem - kv_bytes - ds_bytes - dq_bytes) // stage_bytes)
     steps.append(Step("ring stages", f"min(3, (smem {smem} - K,V {kv_bytes} - dS^T x2 {ds_bytes} - dQ {dq_bytes}) // (Q,dO,lse,delta stage {stage_bytes}))",
                       f"{stages}"))
+    persistent_keys = PERSISTENT_BACKWARD_MAX_KEYS if spec.deterministic and d <= PERSISTENT_BACKWARD_HEAD_DIM else 0
+    steps.append(Step("persistent backward", f"calls of <= {PERSISTENT_BACKWARD_MAX_KEYS} keys at head_dim <= {PERSISTENT_BACKWARD_HEAD_DIM}, dQ in a fixed "
+                                             "order: a program per SM takes key tiles by ticket, the next one's K and V loading under the last one's end "
+                                             "(measured faster there only)", f"calls of <= {persistent_keys} keys" if persistent_keys else "none"))
     return {"bwd_block_n": block_n, "bwd_block_m": block_m, "bwd_stages": stages, "bwd_consumer_regs": consumer_regs,
-            "dq_split": dq_split, "bwd_steps": tuple(steps)}
+            "dq_split": dq_split, "bwd_steps": tuple(steps), "bwd_persistent_max_keys": persistent_keys}
