@@ -1,5 +1,7 @@
 """A/B test of two template directories on the GPU: the same plans rendered from each, outputs compared, the
-forward and the backward timed alternately (A, B, A, B: drift between the two falls on both).
+forward and the backward timed alternately, in the order A B, B A, A B, ... (--rounds; the minimum of each is kept).
+The order turns each round: in a fixed order A, B, A, B the second measured lost up to 7 % on long backwards
+against an identical first (an A/A test on the H100, BENCHMARKS.md 2026-11-26 session 15).
 
     python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR [--b templates/triton] [--generator triton|gluon]
                                       [--specs dense causal] [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
@@ -69,8 +71,8 @@ def main():
                 err = max((x.float() - y.float()).abs().max().item() for x, y in zip(outs["A"], outs["B"]))
                 nan = any(torch.isnan(x).any().item() for x in outs["B"])
                 times = {(key, part): [] for key in mods for part in parts}
-                for _ in range(args.rounds):
-                    for key, mod in mods.items():
+                for r in range(args.rounds):
+                    for key, mod in (list(mods.items()) if r % 2 == 0 else list(mods.items())[::-1]):
                         o, lse = outs[key][:2]
                         times[key, "fwd"].append(median_ms(lambda: mod.attention_forward(q, k, v)))
                         if "bwd" in parts:
