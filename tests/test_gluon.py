@@ -471,8 +471,8 @@ def test_gluon_backward_matches_the_reference(name, deterministic, device):
 def test_the_persistent_backward_gives_the_gradients_of_a_program_per_item(name, device, monkeypatch):
     """The backward's two forms (a program per SM taking key tiles by ticket, or one per key tile) add dQ's parts
     in the same order: O and every gradient bit-identical, whichever form a call's length would pick (head_dim
-    128 and 64, ranked tile classes, dropout, runtime block sparsity, GQA, a length ending inside a tile, more
-    work items than SMs); packed sequences too."""
+    128 and 64, ranked tile classes, dropout, runtime block sparsity, GQA, a length ending inside a tile, and
+    272 work items, so each program of the persistent form takes two or three); packed sequences too."""
     if device != "cuda":
         pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
     kern = attngen.compile(_spec(name), backend="gluon")
@@ -480,7 +480,7 @@ def test_the_persistent_backward_gives_the_gradients_of_a_program_per_item(name,
     assert kern.generator.backward == "gluon" and hasattr(g, "takes_persistent_backward")
     gen = torch.Generator(device="cuda").manual_seed(7)
     d = kern.spec.head_dim
-    for B, Hq, Hkv, N in ((2, 4, 2, 777), (3, 8, 2, 2100)):
+    for B, Hq, Hkv, N in ((2, 4, 2, 777), (4, 16, 4, 2100)):  # 2100 keys: 17 key tiles x 16 (batch, key/value head)
         q, do = (torch.randn(B, Hq, N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
         k, v = (torch.randn(B, Hkv, N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
         inputs = verify.make_inputs(kern.spec, B, Hq, N, N, "cuda", torch.Generator().manual_seed(1))
@@ -589,15 +589,16 @@ def _same_arguments(got, expected, what):
             assert type(a) is type(b) and a == b, (what, i, a, b)
 
 
-@pytest.mark.parametrize("name", ["causal", "sliding_window"])
-def test_a_call_like_one_before_launches_what_the_host_code_would(name, monkeypatch):
+@pytest.mark.parametrize("name, d", [("causal", 128), ("sliding_window", 128), ("causal", 64)])
+def test_a_call_like_one_before_launches_what_the_host_code_would(name, d, monkeypatch):
     """attention_forward and attention_backward keep a recipe of their launches' arguments per call signature
     (attngen.launch.Recipe), so a call like one made before skips the layout decisions that made them. On the CPU,
     with the kernels swapped for recorders: such a call launches exactly the arguments, grid and flags that
     launch_args, grid, delta_launch_args and bwd_launch_args give for its own tensors and outputs, in each layout
-    callers hand over, persistent or not (1024 and 4160 rows); a call whose tensors are copied first (k in rows,
-    v contiguous) or that passes one tensor in two roles keeps no recipe, and the next such call decides again."""
-    g = attngen.compile(_spec(name), "h100", backend="gluon").gluon
+    callers hand over, persistent or not (1024 and 4160 rows; at head_dim 64 the backward's persistent form at 1024);
+    a call whose tensors are copied first (k in rows, v contiguous) or that passes one tensor in two roles keeps no
+    recipe, and the next such call decides again."""
+    g = attngen.compile(_spec(name, head_dim=d), "h100", backend="gluon").gluon
     kernels = {n: _Recorder() for n in ("_attn_fwd", "_bwd_delta", "_attn_bwd")}
     for n, rec in kernels.items():
         monkeypatch.setitem(vars(g), n, rec)  # the Launchers look the kernel up in the module on every call
@@ -612,7 +613,7 @@ def test_a_call_like_one_before_launches_what_the_host_code_would(name, monkeypa
     for kv_len in (1024, 4160):
         for layout in ("contiguous", "rows", "fused", "q rows, kv contiguous", "k rows, v contiguous"):
             for call in range(2):
-                q, k, v = _layouts(2, 4, 2, kv_len, 128, torch.bfloat16, "cpu", gen)[layout]
+                q, k, v = _layouts(2, 4, 2, kv_len, d, torch.bfloat16, "cpu", gen)[layout]
                 what = (kv_len, layout, call)
                 made.clear()
                 o, lse = g.attention_forward(q, k, v)
@@ -638,10 +639,11 @@ def test_a_call_like_one_before_launches_what_the_host_code_would(name, monkeypa
                 _same_arguments(bargs, full["bwd_launch_args"](q, k, v, do, stats, order, dq, dk, dv), what)
                 _same_arguments(dargs, full["delta_launch_args"](o, do, lse, None, stats, order, k, dq=dq), what)
                 persistent = g.takes_persistent_backward(kv_len)
+                assert persistent == (d == 64 and kv_len == 1024), what
                 assert bgrid == g.bwd_grid(kv_len, 2, 2, q.device, persistent) and dgrid == (-(-stats.shape[2] // g.DELTA_ROWS), 8), what
                 assert bkwargs == {**g._BACKWARD.options, **({"PERSISTENT": True} if persistent else {})}, what
     assert len(g._FORWARD_CALLS) == len(g._BACKWARD_CALLS) == 2 * len(recorded)
-    q, k, v = _layouts(2, 4, 2, 64, 128, torch.bfloat16, "cpu", gen)["contiguous"]
+    q, k, v = _layouts(2, 4, 2, 64, d, torch.bfloat16, "cpu", gen)["contiguous"]
     made.clear()
     g.attention_forward(q, k, k)  # one tensor as both k and v: decided each time
     g.attention_forward(q, k, k)

@@ -36,8 +36,8 @@ PERSISTENT_MAX_KEYS = 4096
 # The backward's persistent form (a program per SM taking work items by ticket: an item's K and V load under the
 # last one's final products and dK/dV stores), with dQ in a fixed order, for calls of at most this many keys at
 # head_dim <= 64. Measured on the H100 against a program per item (BENCHMARKS.md, 2026-11-26 session 15; bf16,
-# outputs bit-identical): at d = 64 1.06-1.07x at 1024 keys, 1.02-1.04x at 2048, 0.92-1.03x at 16384; at d = 128
-# 0.99-1.02x from 1024 to 16384 (causal 16384: 0.97-0.98x), packed sequences and documents 0.99-1.02x
+# outputs bit-identical): at d = 64 1.065-1.071x at 1024 keys, 1.02-1.04x at 2048, 0.99-1.01x from 4096; at d = 128
+# 0.98-1.02x from 512 to 4096 keys; packed sequences and documents 0.99-1.02x
 PERSISTENT_BACKWARD_MAX_KEYS = 2048
 PERSISTENT_BACKWARD_HEAD_DIM = 64
 # A block pattern's tiles are classified by pieces of sparse_block tokens where that proves this share of all tiles
