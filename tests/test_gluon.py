@@ -258,11 +258,11 @@ def test_which_generator_renders_the_backward():
     assert choose(sparse, plan(sparse, "h100"), Backend.GLUON).backward == "gluon"
     unordered = _spec("block_sparse_runtime", head_dim=128, deterministic=False)  # its waits are what cost: measured faster
     assert choose(unordered, plan(unordered, "h100")).backward == "gluon"
-    # tile classes from the input pre-pass (documents): the Triton backward in both settings (the Gluon backward
-    # measured 0.77-0.87x of Triton's in order, 0.98-1.04x in no order)
+    # tile classes from the input pre-pass (documents): the Triton backward in both settings (the ordered Gluon
+    # backward measured 0.85-0.98x of Triton's, forward + backward, session 15; in no order 0.98-1.04x, session 12)
     docs = _spec("document", head_dim=128)
     c = choose(docs, plan(docs, "h100"))
-    assert (c.generator, c.backward) == ("gluon", "triton") and "0.77-0.87x" in c.backward_reason
+    assert (c.generator, c.backward) == ("gluon", "triton") and "0.85-0.98x" in c.backward_reason
     assert choose(docs, plan(docs, "h100"), Backend.GLUON).backward == "gluon"
     unordered_docs = _spec("document", head_dim=128, deterministic=False)
     assert choose(unordered_docs, plan(unordered_docs, "h100")).backward == "triton"

@@ -109,10 +109,13 @@ BACKWARD_MEASURED = {True: "1.00-1.19x the Triton backward on the H100", False: 
 SPARSE_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.92-1.08x of it at 1/4-1/2 of the blocks kept on the H100"
 # Tile classes that read the input pre-pass (documents: doc[b, q_idx] == doc[b, kv_idx], causal inside; random
 # documents of 256-2048 tokens, N = 4096 and 16384, d = 128; the same run): the Gluon forward 1.04-1.07x the Triton
-# generator's (session 10), the ordered Gluon backward 0.77-0.87x of it (each program scans its query tiles' classes
-# per head with the summaries' loads, under the register budget of dK and dV: it spills); the unordered one
-# 0.98-1.04x: the Triton backward in both settings.
-BOUNDED_BACKWARD_MEASURED = "the Gluon backward measured 0.77-0.87x of it (0.98-1.04x unordered) with a document mask on the H100"
+# generator's (session 10), the ordered Gluon backward 0.77-0.87x of it, the unordered one 0.98-1.04x (session 12).
+# Session 15 found most of the ordered one's deficit in its pre-pass, which ranked each query tile's key tiles one
+# at a time, a summary load each; ranked by a vector scan it runs 1.05-1.26x faster, as fast as the unordered one
+# at d = 128, and forward + backward through autograd measured 0.96-0.98x the Triton backward's at d = 128, 0.85x at
+# d = 64 (each program scans its query tiles' classes per head under the register budget of dK and dV: it
+# spills): the Triton backward in both settings.
+BOUNDED_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.85-0.98x of it (forward + backward) with a document mask on the H100"
 
 
 def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tuple[str, str]:
