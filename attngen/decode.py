@@ -35,7 +35,13 @@ DECODE_MIN_KEYS_1 = 256
 # longer runs, and a program already keeps enough bytes in flight (157-254 registers a thread, ptxas).
 PROGRAMS_PER_SM = 1
 MAX_SPLITS = 64  # more runs would only add partial results to merge; the generated module's combine takes this many
-MIN_TILES_PER_SPLIT = 4  # each run reads at least this many key tiles
+# The runs are counted so that the busiest program reads as few key tiles as any count gives (within SPAN_SLACK),
+# each at least MIN_KEYS_PER_SPLIT keys. Measured on the H100 (BENCHMARKS.md, 2026-11-26 session 16; B=1, 32/8
+# heads, d=128, one token, a step's graph): 16 runs against the fill rule's 15 (8 tiles a program against 9) 0.99x
+# the time at 4096-32768 keys contiguous; paged (128-key tiles) 16 runs of 2 tiles against 8 of 4 at 4096 keys
+# 0.84x, against 15 at 8192 0.95x.
+SPAN_SLACK = 0.05
+MIN_KEYS_PER_SPLIT = 256
 
 
 @dataclass(frozen=True)
@@ -64,21 +70,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def num_splits(programs: int, key_tiles: int, sm_count: int) -> int:
-    """Runs per (sequence, key/value head, row block): the fewest that fill the GPU's slots (PROGRAMS_PER_SM
-    per SM) in whole waves, to within 10 % of the best fill any count up to MAX_SPLITS gives; 1 when the pairs
-    alone nearly fill it. Each run keeps at least MIN_TILES_PER_SPLIT key tiles."""
+def num_splits(programs: int, kv_len: int, block_n: int, sm_count: int) -> int:
+    """Runs per (sequence, key/value head, row block): the fewest whose busiest slot (PROGRAMS_PER_SM per SM)
+    reads within SPAN_SLACK of the fewest key tiles any count up to MAX_SPLITS gives; 1 when the pairs alone
+    nearly fill the GPU. Each run keeps at least MIN_KEYS_PER_SPLIT keys. A run reads cdiv(key tiles, runs) of
+    the key tiles of block_n keys, so the count that divides them evenly wins: 128 tiles (8192 keys) over 8 heads
+    in 16 runs read 8 tiles a program on 128 SMs, in 15 runs 9 on 120."""
+    key_tiles = _cdiv(kv_len, block_n)
     slots = PROGRAMS_PER_SM * sm_count
-    most = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT))
+    most = max(1, min(MAX_SPLITS, kv_len // MIN_KEYS_PER_SPLIT))
     if programs >= 0.8 * slots or most == 1:
         return 1
 
-    def fill(s: int) -> float:  # the busy fraction of the last wave's slots, over all waves
-        waves = programs * s / slots
-        return waves / math.ceil(waves)
+    def span(s: int) -> int:  # key tiles the busiest slot reads: one run of cdiv(key_tiles, s) tiles a wave
+        return math.ceil(programs * s / slots) * _cdiv(key_tiles, s)
 
-    best = max(fill(s) for s in range(1, most + 1))
-    return next(s for s in range(1, most + 1) if fill(s) >= 0.9 * best)
+    best = min(span(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if span(s) <= (1 + SPAN_SLACK) * best)
 
 
 def decode_shape(plan: KernelPlan, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> DecodeShape:
@@ -87,7 +95,7 @@ def decode_shape(plan: KernelPlan, batch: int, heads: int, kv_heads: int, q_len:
     block_r = block_rows(rows)
     row_blocks = _cdiv(rows, block_r)
     programs = batch * kv_heads * row_blocks
-    splits = num_splits(programs, _cdiv(kv_len, plan.decode_block_n), plan.target.sm_count)
+    splits = num_splits(programs, kv_len, plan.decode_block_n, plan.target.sm_count)
     return DecodeShape(rows, block_r, row_blocks, splits, programs * splits)
 
 

@@ -13,6 +13,7 @@ backwards where both have one (the Gluon templates before 2026-11-25 held only t
 """
 import argparse
 import hashlib
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -24,17 +25,18 @@ sys.path.insert(0, str(ROOT))
 from attngen.codegen import Templates  # noqa: E402
 from attngen.codegen.gluon import plan_gluon  # noqa: E402
 from attngen.codegen.gluon.render import context as gluon_context  # noqa: E402
-from attngen.codegen.triton import render  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
 from attngen.loader import load_module as _load  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
+
+triton_render = importlib.import_module("attngen.codegen.triton.render")  # (the package's `render` is its render function)
 
 
 def module_from(templates: Path, plan, generator: str = "triton"):
     """The generated module of `plan` rendered from `templates` (the cache key covers the templates' digest)."""
     if generator == "triton":
-        render.TEMPLATES = Templates("triton", "module.py.jinja", directory=templates)
-        return _load(plan.spec.name, *render.build_source(plan))
+        triton_render.TEMPLATES = Templates("triton", "module.py.jinja", directory=templates)
+        return _load(plan.spec.name, *triton_render.build_source(plan))
     main = "module.py.jinja" if (templates / "module.py.jinja").is_file() else "forward.py.jinja"
     source = Templates("gluon", main, directory=templates).render(main, gluon_context(plan_gluon(plan)))
     return _load(f"{plan.spec.name}_gluon", hashlib.sha256(source.encode()).hexdigest(), source)

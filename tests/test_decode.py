@@ -341,19 +341,32 @@ def test_paged_layout_in_the_spec_language():
 def test_the_split_fills_the_gpu_from_the_shapes_alone():
     """The split depends on the batch, heads and cache capacity, never on the lengths' values (CUDA graphs): few
     (sequence, head) pairs on a long cache are split to fill the SMs; many pairs are not split; each run keeps
-    at least MIN_TILES_PER_SPLIT tiles."""
+    at least MIN_KEYS_PER_SPLIT keys."""
     p = attngen.plan.plan(_spec("", "bf16", 128), "h100")
     sms = p.target.sm_count
     one = decode.decode_shape(p, 1, 32, 8, 1, 131072)
     assert one.splits > 1 and one.programs >= 0.9 * decode.PROGRAMS_PER_SM * sms
     assert decode.decode_shape(p, 64, 32, 8, 1, 131072).splits == 1
     short = decode.decode_shape(p, 1, 32, 8, 1, 512)
-    assert short.splits * decode.MIN_TILES_PER_SPLIT <= 512 // p.decode_block_n
+    assert short.splits * decode.MIN_KEYS_PER_SPLIT <= 512
     for batch in (1, 2, 3, 8, 16):
         for keys in (256, 4096, 65536):
             s = decode.decode_shape(p, batch, 32, 8, 1, keys)
             assert 1 <= s.splits <= decode.MAX_SPLITS and s.programs == batch * 8 * s.row_blocks * s.splits
     assert decode.block_rows(1) == 16 and decode.block_rows(33) == 64 and decode.block_rows(500) == 64
+
+
+def test_the_split_divides_the_key_tiles_evenly_over_the_sms():
+    """The busiest program reads no more key tiles than all of them spread over the SMs, rounded up: one sequence,
+    8 key/value heads on the H100's 132 SMs, 8192 keys in 64-key tiles (1024 tiles: 8 a program, 16 runs; 15 runs
+    read 9), 32768 keys (32 a program), a paged cache's 4096 keys in 128-key tiles (256 tiles: 2 a program, runs of
+    256 keys)."""
+    for spec, keys, tiles_per_program in ((_spec("", "bf16", 128), 8192, 8), (_spec("", "bf16", 128), 32768, 32),
+                                          (_spec("kv_layout = paged", "bf16", 128), 4096, 2)):
+        p = attngen.plan.plan(spec, "h100")
+        s = decode.decode_shape(p, 1, 32, 8, 1, keys)
+        assert p.target.sm_count == 132 and s.programs <= 132
+        assert -(-keys // p.decode_block_n // s.splits) == tiles_per_program, (keys, s)
 
 
 def test_a_decode_step_is_captured_in_a_cuda_graph(device):
