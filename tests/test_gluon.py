@@ -634,7 +634,7 @@ def test_a_call_like_one_before_launches_what_the_host_code_would(name, d, monke
                 if layout not in recorded:
                     continue
                 (dgrid, dargs, _), (bgrid, bargs, bkwargs) = kernels["_bwd_delta"].launches[-1], kernels["_attn_bwd"].launches[-1]
-                stats, dq, dk, dv, order = bargs[4].base, bargs[5].base, bargs[6], bargs[7], bargs[8:10]
+                stats, dq, dk, dv, order = bargs[4].base, bargs[5].base, bargs[6], bargs[7], bargs[10:12]  # (8, 9: dK's and dV's descriptors)
                 assert dk is grads[1] and dv is grads[2], what
                 _same_arguments(bargs, full["bwd_launch_args"](q, k, v, do, stats, order, dq, dk, dv), what)
                 _same_arguments(dargs, full["delta_launch_args"](o, do, lse, None, stats, order, k, dq=dq), what)
