@@ -421,9 +421,12 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         dec_bn = min(dec_bn, spec.sparse_block)
     dec_q = 64 * dp * isz
     dec_stage = 2 * dec_bn * dp * isz + (64 * dec_bn * 4 if spec.dtype is DType.FP32 else 0)
-    dec_stages = max(1, min(2 if paged else 4, (smem - dec_q) // dec_stage))
+    # paged: 3 stages since the block table's entries are read a tile ahead (the kernel's _tile_pages): on the H100
+    # (BENCHMARKS.md, 2026-11-26 session 16) 0.94-0.98x the time of 2 stages at 8192-32768 keys (B=1) and B=8 at 4096,
+    # 1.03-1.05x at B=1 4096; with the entries read in the tile's own step, 3 stages were slower than 2 everywhere
+    dec_stages = max(1, min(3 if paged else 4, (smem - dec_q) // dec_stage))
     steps.append(Step("decode tiles", f"BLOCK_N = {'128 (pages under 128 tokens: a tile gathers several)' if paged else '64'} (32 above d_pad 128); "
-                                      f"num_stages = min({2 if paged else 4}, (smem - Q {dec_q}) // (K+V stage {dec_stage})); measured",
+                                      f"num_stages = min({3 if paged else 4}, (smem - Q {dec_q}) // (K+V stage {dec_stage})); measured",
                       f"BLOCK_N={dec_bn}, num_stages={dec_stages}, 4 warps"))
     dec_warps = 4
     if spec.kv_dtype is DType.FP8 and dp <= 128 and spec.sparsity is None:
