@@ -6,6 +6,8 @@ against an identical first (an A/A test on the H100, BENCHMARKS.md 2026-11-26 se
     python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR [--b templates/triton] [--generator triton|gluon]
                                       [--specs dense causal] [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
 
+Specs with a document-id input (specs/document.attn) get benchmarks/masks.py's random documents; TFLOP/s count kept pairs.
+
 Keep A as a copy of the templates before a change (e.g. `git archive HEAD templates/triton | tar -x -C /tmp/a`, then
 --a /tmp/a/templates/triton); the device machine has no git history, so copy A into a folder that travels.
 With --generator gluon (B defaults to templates/gluon) the Gluon modules are compared: their forwards, and their
@@ -27,7 +29,9 @@ from attngen.codegen.gluon import plan_gluon  # noqa: E402
 from attngen.codegen.gluon.render import context as gluon_context  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
 from attngen.loader import load_module as _load  # noqa: E402
+from attngen.bench import kept_fraction  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
+from masks import random_documents  # noqa: E402
 
 triton_render = importlib.import_module("attngen.codegen.triton.render")  # (the package's `render` is its render function)
 
@@ -65,20 +69,23 @@ def main():
                 bsz, h = 16384 // n, 2048 // d
                 g = torch.Generator(device="cuda").manual_seed(0)
                 q, k, v, do = (torch.randn(bsz, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-                flop = 4 * bsz * h * n * n * d * (0.5 if name == "causal" else 1.0)
+                # a spec's declared inputs: the document ids of benchmarks/masks.py (the only input a spec timed here reads)
+                inputs = {"doc": random_documents(bsz, n, torch.Generator().manual_seed(0)).cuda()}
+                inputs = tuple(inputs[i.name] for i in spec.inputs)
+                flop = 4 * bsz * h * n * n * d * kept_fraction(spec, dict(zip((i.name for i in spec.inputs), inputs)), bsz, h, n, n, "cuda")
                 outs = {}
                 for key, mod in mods.items():
-                    o, lse = mod.attention_forward(q, k, v)
-                    outs[key] = (o, lse) + (tuple(mod.attention_backward(q, k, v, o, lse, do, None)) if "bwd" in parts else ())
+                    o, lse = mod.attention_forward(q, k, v, *inputs)
+                    outs[key] = (o, lse) + (tuple(mod.attention_backward(q, k, v, o, lse, do, None, *inputs)) if "bwd" in parts else ())
                 err = max((x.float() - y.float()).abs().max().item() for x, y in zip(outs["A"], outs["B"]))
                 nan = any(torch.isnan(x).any().item() for x in outs["B"])
                 times = {(key, part): [] for key in mods for part in parts}
                 for r in range(args.rounds):
                     for key, mod in (list(mods.items()) if r % 2 == 0 else list(mods.items())[::-1]):
                         o, lse = outs[key][:2]
-                        times[key, "fwd"].append(median_ms(lambda: mod.attention_forward(q, k, v)))
+                        times[key, "fwd"].append(median_ms(lambda: mod.attention_forward(q, k, v, *inputs)))
                         if "bwd" in parts:
-                            times[key, "bwd"].append(median_ms(lambda: mod.attention_backward(q, k, v, o, lse, do, None)))
+                            times[key, "bwd"].append(median_ms(lambda: mod.attention_backward(q, k, v, o, lse, do, None, *inputs)))
                 row = {"spec": name, "d": d, "N": n, "max_diff": err, "nan": nan}
                 for part, mult in (("fwd", 1.0), ("bwd", 2.5))[:len(parts)]:
                     a, b = min(times["A", part]), min(times["B", part])

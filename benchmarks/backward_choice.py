@@ -4,7 +4,7 @@ the default), in no fixed order (deterministic = false), and through the Triton 
 one process (bf16, H * d = 2048, B * N = 16384; backward ms through autograd, `do_bench` medians, the forward's
 time taken off).
 
-    python benchmarks/backward_choice.py [--quick] [--json OUT.json]
+    python benchmarks/backward_choice.py [--quick] [--only SPEC ...] [--json OUT.json]
 
 Cases: dense and causal by length, head_dim 64 and 128; a sliding window of 1024
 (band masks); documents of 256-2048 tokens (tile classes from the input pre-pass); random 128 x 128 blocks kept
@@ -49,10 +49,13 @@ def cases(quick: bool):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer lengths and no head_dim 64")
+    ap.add_argument("--only", nargs="+", default=None, help="only these cases' specs (e.g. document)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
     for name, d, n, batch, label in cases(args.quick):
+        if args.only and name not in args.only:
+            continue
         h = 2048 // d
         gen = torch.Generator(device="cuda").manual_seed(n + d)
         q, k, v, do = (torch.randn(batch, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))

@@ -111,16 +111,21 @@ SPARSE_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.92-1.08x of it
 # documents of 256-2048 tokens, N = 4096 and 16384, d = 128; the same run): the Gluon forward 1.04-1.07x the Triton
 # generator's (session 10), the ordered Gluon backward 0.77-0.87x of it, the unordered one 0.98-1.04x (session 12).
 # Session 15 found most of the ordered one's deficit in its pre-pass, which ranked each query tile's key tiles one
-# at a time, a summary load each; ranked by a vector scan it runs 1.05-1.26x faster, as fast as the unordered one
-# at d = 128, and forward + backward through autograd measured 0.96-0.98x the Triton backward's at d = 128, 0.85x at
-# d = 64 (each program scans its query tiles' classes per head under the register budget of dK and dV: it
-# spills): the Triton backward in both settings.
-BOUNDED_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.85-0.98x of it (forward + backward) with a document mask on the H100"
+# at a time, a summary load each; ranked by a vector scan it ran 1.05-1.26x faster, 0.95-0.99x the Triton backward at
+# d = 128 (session 16), 0.85x at d = 64. Session 17 found the rest in the per-tile classes: every partition read
+# each visited tile's class from the summaries again (a wait for memory per tile); kept as bits from the range's
+# scan, the Gluon backward ran 1.09-1.11x faster at d = 128 (1.00-1.01x at d = 64), 1.05-1.08x the Triton backward in
+# order and 1.09-1.11x in no order (BENCHMARKS.md, 2026-11-26 session 17): so documents take the Gluon backward at
+# head_dim 128 in both settings, the Triton one below.
+BOUNDED_GLUON_HEAD_DIMS = (128,)
+BOUNDED_MEASURED = {True: "dQ in a fixed order, measured 1.05-1.08x the Triton backward with a document mask on the H100",
+                    False: "dQ in no fixed order, measured 1.09-1.11x the Triton backward with a document mask on the H100"}
+BOUNDED_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.85x of it (forward + backward) with a document mask at head_dim 64 on the H100"
 
 
 def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tuple[str, str]:
     """The backward of a spec whose forward is Gluon's: Gluon's, except under auto where the Triton backward
-    measured faster: tile classes that read the input pre-pass, `bounded` (BOUNDED_BACKWARD_MEASURED), and with
+    measured faster: tile classes that read the input pre-pass, `bounded`, below head_dim 128 (BOUNDED_BACKWARD_MEASURED), and with
     deterministic = true runtime block sparsity (SPARSE_BACKWARD_MEASURED). With deterministic = true (the
     default) its programs add into each dQ tile in a fixed order (a dQ warp per consumer warpgroup waits for each addition's turn), so
     the gradients are bit-reproducible; with deterministic = false in no fixed order, its last bits may vary
@@ -129,9 +134,11 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tup
     if backend is Backend.AUTO and ordered and spec.sparsity == "runtime":
         return ("triton", f"auto, runtime block sparsity: the Triton backward ({SPARSE_BACKWARD_MEASURED}; deterministic = false takes the "
                           "unordered Gluon backward, 1.18-1.27x); backend = gluon takes it anyway")
-    if backend is Backend.AUTO and bounded:
+    if backend is Backend.AUTO and bounded and spec.head_dim not in BOUNDED_GLUON_HEAD_DIMS:
         return ("triton", f"auto, tile classes from the inputs' per-chunk bounds: the Triton backward ({BOUNDED_BACKWARD_MEASURED}); "
                           "backend = gluon takes it anyway")
+    if bounded:
+        return "gluon", f"tile classes from the inputs' per-chunk bounds at head_dim {spec.head_dim}: {BOUNDED_MEASURED[ordered]}"
     if ordered:
         return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})"
     return "gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})"
