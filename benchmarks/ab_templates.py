@@ -6,7 +6,8 @@ against an identical first (an A/A test on the H100, BENCHMARKS.md 2026-11-26 se
     python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR [--b templates/triton] [--generator triton|gluon]
                                       [--specs dense causal] [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
 
-Specs with a document-id input (specs/document.attn) get benchmarks/masks.py's random documents; TFLOP/s count kept pairs.
+Declared inputs: specs/document.attn's document ids as in benchmarks/masks.py, other inputs `attngen check`'s random
+values (not runtime block sparsity); TFLOP/s count kept pairs.
 
 Keep A as a copy of the templates before a change (e.g. `git archive HEAD templates/triton | tar -x -C /tmp/a`, then
 --a /tmp/a/templates/triton); the device machine has no git history, so copy A into a folder that travels.
@@ -29,6 +30,7 @@ from attngen.codegen.gluon import plan_gluon  # noqa: E402
 from attngen.codegen.gluon.render import context as gluon_context  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
 from attngen.loader import load_module as _load  # noqa: E402
+from attngen import verify  # noqa: E402
 from attngen.bench import kept_fraction  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
 from masks import random_documents  # noqa: E402
@@ -69,8 +71,9 @@ def main():
                 bsz, h = 16384 // n, 2048 // d
                 g = torch.Generator(device="cuda").manual_seed(0)
                 q, k, v, do = (torch.randn(bsz, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-                # a spec's declared inputs: the document ids of benchmarks/masks.py (the only input a spec timed here reads)
-                inputs = {"doc": random_documents(bsz, n, torch.Generator().manual_seed(0)).cuda()}
+                # a spec's declared inputs: the document ids of benchmarks/masks.py, else attngen check's random values
+                inputs = ({"doc": random_documents(bsz, n, torch.Generator().manual_seed(0)).cuda()} if name == "document" else
+                          verify.make_inputs(spec, bsz, h, n, n, "cuda", torch.Generator().manual_seed(0)))
                 inputs = tuple(inputs[i.name] for i in spec.inputs)
                 flop = 4 * bsz * h * n * n * d * kept_fraction(spec, dict(zip((i.name for i in spec.inputs), inputs)), bsz, h, n, n, "cuda")
                 outs = {}
