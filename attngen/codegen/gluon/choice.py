@@ -125,8 +125,9 @@ BOUNDED_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.85x of it (fo
 
 def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tuple[str, str]:
     """The backward of a spec whose forward is Gluon's: Gluon's, except under auto where the Triton backward
-    measured faster: tile classes that read the input pre-pass, `bounded`, below head_dim 128 (BOUNDED_BACKWARD_MEASURED), and with
-    deterministic = true runtime block sparsity (SPARSE_BACKWARD_MEASURED). With deterministic = true (the
+    measured faster: tile classes that read the input pre-pass (`bounded`) at head dims other than
+    BOUNDED_GLUON_HEAD_DIMS (BOUNDED_BACKWARD_MEASURED), and with deterministic = true runtime block sparsity
+    (SPARSE_BACKWARD_MEASURED). With deterministic = true (the
     default) its programs add into each dQ tile in a fixed order (a dQ warp per consumer warpgroup waits for each addition's turn), so
     the gradients are bit-reproducible; with deterministic = false in no fixed order, its last bits may vary
     between runs."""
@@ -137,7 +138,7 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tup
     if backend is Backend.AUTO and bounded and spec.head_dim not in BOUNDED_GLUON_HEAD_DIMS:
         return ("triton", f"auto, tile classes from the inputs' per-chunk bounds: the Triton backward ({BOUNDED_BACKWARD_MEASURED}); "
                           "backend = gluon takes it anyway")
-    if bounded:
+    if bounded and spec.head_dim in BOUNDED_GLUON_HEAD_DIMS:
         return "gluon", f"tile classes from the inputs' per-chunk bounds at head_dim {spec.head_dim}: {BOUNDED_MEASURED[ordered]}"
     if ordered:
         return "gluon", f"deterministic: dQ added in a fixed order, each program in its turn ({BACKWARD_MEASURED[True]})"
