@@ -52,6 +52,24 @@ def test_classifier_is_sound(mask, tile):
             assert bool(values.all()) if verdict is Truth.ALWAYS else not bool(values.any()), (ex.format_expr(mask), tile, b, h)
 
 
+@settings(max_examples=1500, deadline=None)
+@given(mask=st.one_of(bool_exprs(), _float_masks()), tile=tiles, piece=st.integers(1, 16), axis=st.sampled_from(["q", "kv"]))
+def test_a_group_verdict_holds_for_every_tile_inside_it(mask, tile, piece, axis):
+    """The Gluon kernels classify a group of tiles before its tiles (a program's range scan: a group proved empty is
+    skipped, one proved full visited whole), while the backward's order of dQ additions counts the visits tile by
+    tile: a group's ALWAYS or NEVER must be the verdict of every piece of it too (the interval arithmetic is
+    inclusion-isotonic), or a program could skip a tile that the order expects it to add into."""
+    q0, qn, k0, kn, q_len, kv_len = tile
+    verdict = truth(mask, tile_env(q0, q0 + qn - 1, k0, k0 + kn - 1, q_len, kv_len))
+    if verdict is Truth.MAYBE:
+        return
+    start, size = (q0, qn) if axis == "q" else (k0, kn)
+    for lo in range(start, start + size, piece):
+        hi = min(lo + piece, start + size) - 1
+        env = tile_env(lo, hi, k0, k0 + kn - 1, q_len, kv_len) if axis == "q" else tile_env(q0, q0 + qn - 1, lo, hi, q_len, kv_len)
+        assert truth(mask, env) is verdict, (ex.format_expr(mask), tile, axis, lo, hi)
+
+
 @settings(max_examples=1000, deadline=None)
 @given(e=int_exprs(), tile=tiles)
 def test_integer_intervals_contain_every_value(e, tile):
