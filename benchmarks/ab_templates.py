@@ -72,10 +72,11 @@ def main():
                 g = torch.Generator(device="cuda").manual_seed(0)
                 q, k, v, do = (torch.randn(bsz, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
                 # a spec's declared inputs: the document ids of benchmarks/masks.py, else attngen check's random values
-                inputs = ({"doc": random_documents(bsz, n, torch.Generator().manual_seed(0)).cuda()} if name == "document" else
-                          verify.make_inputs(spec, bsz, h, n, n, "cuda", torch.Generator().manual_seed(0)))
-                inputs = tuple(inputs[i.name] for i in spec.inputs)
-                flop = 4 * bsz * h * n * n * d * kept_fraction(spec, dict(zip((i.name for i in spec.inputs), inputs)), bsz, h, n, n, "cuda")
+                given = ({"doc": random_documents(bsz, n, torch.Generator().manual_seed(0)).cuda()} if name == "document" else
+                         verify.make_inputs(spec, bsz, h, n, n, "cuda", torch.Generator().manual_seed(0)))
+                given = {i.name: given[i.name] for i in spec.inputs}
+                inputs = tuple(given.values())
+                flop = 4 * bsz * h * n * n * d * kept_fraction(spec, given, bsz, h, n, n, "cuda")
                 outs = {}
                 for key, mod in mods.items():
                     o, lse = mod.attention_forward(q, k, v, *inputs)
