@@ -517,6 +517,48 @@ _PY_ATOM = 10
 # Variables that are tiles in every kernel (the others, b, h and the lengths, are one value per program).
 _BLOCK_VARS = frozenset(("q_idx", "kv_idx", "score"))
 
+# Positions as float32. An integer expression of a row and a column index converted to float (ALiBi's
+# slopes[h] * (q_idx - kv_idx)) would cost a conversion per score, and on Hopper an int-to-float conversion runs at
+# the rate of exp2 (16 a clock per SM), which the softmax already saturates at head_dim 64. Such an expression of
+# positions, lengths and integer constants joined by + and - is lowered leaf by leaf instead: each position or
+# length becomes a float32 once per row or column vector (_position_f32: two full-rate operations) and the sums are
+# float32 additions, one per score. The result is bit for bit the converted integer as long as every leaf and every
+# partial sum is an integer of magnitude at most 2**24, which holds when every length is at most FLOAT_POSITIONS.
+# Measured on the H100 (BENCHMARKS.md, 2026-11-27 session 18, ALiBi): the Gluon backward ran 1.20-1.60x faster so,
+# the forwards and the Triton backward 0.94-0.98x (their per-tile vector of key positions costs what the per-score
+# conversion saved), so only the Gluon backward lowers them so (Lowerer(positions_leafwise=True)), and the runtime
+# gives calls longer than FLOAT_POSITIONS the Triton backward (codegen.lowering.converts_positions).
+FLOAT_POSITIONS = 2**23
+_POSITION_RANGES = {"q_idx": (0, FLOAT_POSITIONS - 1), "kv_idx": (0, FLOAT_POSITIONS - 1),
+                    "q_len": (0, FLOAT_POSITIONS), "kv_len": (0, FLOAT_POSITIONS)}
+
+
+def _position_sum_range(e: Expr) -> tuple[int, int] | None:
+    """(lo, hi) of a sum of positions, lengths and integer constants (+, - and negation only) when every length is
+    at most FLOAT_POSITIONS, each partial sum within +-2**24; None for any other expression."""
+    if isinstance(e, Const):
+        ok = e.type is Type.INT and abs(e.value) <= 2**24
+        return (int(e.value), int(e.value)) if ok else None
+    if isinstance(e, Var):
+        return _POSITION_RANGES.get(e.name)
+    if isinstance(e, Unary) and e.op == "-":
+        r = _position_sum_range(e.operand)
+        return None if r is None else (-r[1], -r[0])
+    if isinstance(e, Binary) and e.op in ("+", "-"):
+        a, b = _position_sum_range(e.lhs), _position_sum_range(e.rhs)
+        if a is None or b is None:
+            return None
+        r = (a[0] + b[0], a[1] + b[1]) if e.op == "+" else (a[0] - b[1], a[1] - b[0])
+        return r if -(2**24) <= r[0] and r[1] <= 2**24 else None
+    return None
+
+
+def _positions_in_float(e: Expr) -> bool:
+    """Whether float(e) is lowered leaf by leaf (see FLOAT_POSITIONS): e is a sum of positions, lengths and integer
+    constants that mixes a row and a column index (where one conversion per score would be paid otherwise)."""
+    return {"q_idx", "kv_idx"} <= variables(e) and _position_sum_range(e) is not None
+
+
 # Helper functions a lowering may need; the template emits the ones used, from this table.
 HELPERS = {
     "_floordiv": (
@@ -561,6 +603,14 @@ HELPERS = {
         "    q = tl.math.div_rn(a, b)\n"
         "    q = tl.where(tl.abs(q) < 1.1754943508222875e-38, q * 0.0, q)\n"
         "    return tl.math.floor(q)\n"
+    ),
+    "_position_f32": (
+        "@triton.jit\n"
+        "def _position_f32(x):\n"
+        '    """x (an int32 position or length, 0 <= x <= 2**23) as float32, exactly: added to the bits of 2**23, x is\n'
+        "    the mantissa of 2**23 + x, from which 2**23 is subtracted. Two full-rate operations where a conversion runs\n"
+        '    at the rate of exp2."""\n'
+        "    return (x + 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0\n"
     ),
     "_tanh": (
         "@triton.jit\n"
@@ -609,7 +659,8 @@ class Lowerer:
     inner variable are placed before the loop.
     """
 
-    def __init__(self, scope: Scope, var_code: dict[str, str], inner_vars: frozenset[str], prefix: str = ""):
+    def __init__(self, scope: Scope, var_code: dict[str, str], inner_vars: frozenset[str], prefix: str = "",
+                 positions_leafwise: bool = False):
         self.scope = scope
         self.var_code = var_code
         self.inner_vars = inner_vars
@@ -619,6 +670,8 @@ class Lowerer:
         self._counter = 0
         self.outer: list[str] = []
         self.inner: list[str] = []
+        self.positions_leafwise = positions_leafwise  # sums of positions in float contexts leaf by leaf (FLOAT_POSITIONS)
+        self.positions_in_float = False  # whether some code relies on lengths of at most FLOAT_POSITIONS
 
     def lower_all(self, exprs: list[Expr]) -> Lowered:
         codes = [self.lower(e) for e in exprs]
@@ -654,7 +707,25 @@ class Lowerer:
     def _to_float(self, e: Expr, code: str, prec: int) -> tuple[str, int]:
         if isinstance(e, Const):
             return repr(float(e.value)), _PY_ATOM
+        if self.positions_leafwise and _positions_in_float(e):
+            self.positions_in_float = True
+            return self._positions_as_float(e)
         return f"{self._paren((code, prec), _PY_ATOM)}.to(tl.float32)", _PY_ATOM
+
+    def _positions_as_float(self, e: Expr) -> tuple[str, int]:
+        """A sum of positions as float32, leaf by leaf (FLOAT_POSITIONS): each position or length converted once
+        (a named temporary, before the loop where it does not change there), the sums in float32."""
+        if isinstance(e, Const):
+            return repr(float(e.value)), (_PY_UNARY if e.value < 0 else _PY_ATOM)
+        if isinstance(e, Var):
+            self.helpers.add("_position_f32")
+            return self._temp(e, f"{e.name}_f", f"_position_f32({self.var_code[e.name]})")
+        if isinstance(e, Unary):  # 0.0 - x: +0.0 for x = 0, as the converted integer -0 is
+            return f"0.0 - {self._paren(self._positions_as_float(e.operand), _PY_PREC['-'] + 1)}", _PY_PREC["-"]
+        prec = _PY_PREC[e.op]
+        lhs = self._paren(self._positions_as_float(e.lhs), prec)
+        rhs = self._paren(self._positions_as_float(e.rhs), prec + 1)
+        return f"{lhs} {e.op} {rhs}", prec
 
     def _lower_as(self, e: Expr, t: Type) -> tuple[str, int]:
         low = self._lower(e)

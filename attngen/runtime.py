@@ -25,7 +25,8 @@ from .codegen.gluon import choose as choose_generator
 from .codegen.gluon import plan_gluon
 from .codegen.triton import build_source
 from .errors import InputError, PlanError
-from .expr import SCORE_VARS, Scope, input_reads
+from .codegen.lowering import converts_positions
+from .expr import FLOAT_POSITIONS, SCORE_VARS, Scope, input_reads
 from .layout import empty_like_layout
 from .loader import check_device, load_module
 from .naive import evaluate
@@ -64,6 +65,7 @@ class Kernel:
         self.path = path
         self.module = module
         self._direct_indices = _direct_indices(spec)
+        self._positions_in_float = converts_positions(kernel_plan)  # see _gluon_backward
         # `auto` tiles (attngen/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
         self._passed: dict[tuple, _Dims] = {}  # what passed _check (and _serving_call's checks): see there
@@ -457,7 +459,7 @@ class Kernel:
             dq, dk, dv, grads = self._twin()._backward_impl(*_up(q, k, v, o), lse, *_up(do), dlse, _up(*inputs), dropout_p, seed,
                                                              block_mask, input_grads, varlen)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
-        if self.generator.backward_at(dims.kv_len) == "gluon" and not input_grads and _is_sm90(q.device):
+        if self._gluon_backward(dims.q_len, dims.kv_len) and not input_grads and _is_sm90(q.device):
             # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py; packed sequences by
             # their longest keys); input gradients are the Triton kernels'
             dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device),
@@ -510,6 +512,14 @@ class Kernel:
             self._shard_twin = _positions_twin(self)
         return self._shard_twin
 
+    def _gluon_backward(self, q_len: int, kv_len: int, keys: int | None = None) -> bool:
+        """Whether the generator choice gives a backward over `keys` keys (default kv_len) the Gluon kernels, whose
+        sums of positions are floats leaf by leaf where the spec has them (expr.FLOAT_POSITIONS): exact for lengths
+        (positions: a shard's whole sequence's) of at most FLOAT_POSITIONS, so longer calls take the Triton backward."""
+        if self.generator.backward_at(kv_len if keys is None else keys) != "gluon":
+            return False
+        return not (self._positions_in_float and max(q_len, kv_len) > FLOAT_POSITIONS)
+
     def _shard_forward(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, int, int, int]):
         """O and the lse (log2 units) of q's rows attending to k's and v's keys only, where q's first row and k's
         first key are at positions[0] and positions[1] of a sequence of positions[2] queries and positions[3] keys,
@@ -534,7 +544,7 @@ class Kernel:
         lse = lse.contiguous()  # the kernels index the lse (and dlse) as (B, H, rows) rows
         dlse = None if dlse is None else dlse.contiguous()
         extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
-        if kern.generator.backward_at(k.shape[2]) == "gluon" and _is_sm90(q.device):  # dK, dV in k's and v's element type
+        if kern._gluon_backward(positions[2], positions[3], k.shape[2]) and _is_sm90(q.device):  # dK, dV in k's and v's element type
             return kern.gluon.attention_backward(q, k, v, o.contiguous(), lse, do.contiguous(), dlse, *inputs, **extra, positions=positions,
                                                  grad_dtype=torch.float32)
         if q.device.type == "cpu" and kern.spec.dtype is DType.BF16:

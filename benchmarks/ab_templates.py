@@ -9,6 +9,10 @@ against an identical first (an A/A test on the H100, BENCHMARKS.md 2026-11-26 se
 Declared inputs: specs/document.attn's document ids as in benchmarks/masks.py, other inputs `attngen check`'s random
 values (not runtime block sparsity); TFLOP/s count kept pairs.
 
+For a change outside the templates (the expressions' lowering, the plan), --a-tree DIR renders A with another
+attngen tree instead (DIR holding its attngen/ and templates/, e.g. `git archive HEAD attngen templates | tar -x -C
+DIR`), in a process of its own.
+
 Keep A as a copy of the templates before a change (e.g. `git archive HEAD templates/triton | tar -x -C /tmp/a`, then
 --a /tmp/a/templates/triton); the device machine has no git history, so copy A into a folder that travels.
 With --generator gluon (B defaults to templates/gluon) the Gluon modules are compared: their forwards, and their
@@ -48,9 +52,35 @@ def module_from(templates: Path, plan, generator: str = "triton"):
     return _load(f"{plan.spec.name}_gluon", hashlib.sha256(source.encode()).hexdigest(), source)
 
 
+_TREE_RENDER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from attngen.check import load_spec
+from attngen.plan import plan
+spec = plan(load_spec(sys.stdin.read()), "auto")
+if sys.argv[2] == "triton":
+    from attngen.codegen.triton import build_source
+    sys.stdout.write(build_source(spec)[1])
+else:
+    from attngen.codegen.gluon import plan_gluon, render
+    sys.stdout.write(render(plan_gluon(spec)))
+"""
+
+
+def module_from_tree(tree: Path, spec, generator: str = "triton"):
+    """The generated module of `spec` rendered by the attngen tree `tree` (code and templates), in a subprocess."""
+    import subprocess
+    from attngen.canonical import format_spec
+
+    source = subprocess.run([sys.executable, "-c", _TREE_RENDER, str(tree), generator], input=format_spec(spec), text=True,
+                            capture_output=True, check=True).stdout
+    return _load(f"{spec.name}_{generator}_a", hashlib.sha256(source.encode()).hexdigest(), source)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--a", required=True, type=Path)
+    ap.add_argument("--a", type=Path, help="the templates of A (this generator's folder)")
+    ap.add_argument("--a-tree", type=Path, help="instead of --a: an attngen tree (attngen/, templates/) rendering A")
     ap.add_argument("--b", default=None, type=Path, help="default: templates/GENERATOR")
     ap.add_argument("--generator", choices=("triton", "gluon"), default="triton")
     ap.add_argument("--specs", nargs="+", default=["dense", "causal"])
@@ -60,12 +90,15 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.b = args.b or ROOT / "templates" / args.generator
+    if (args.a is None) == (args.a_tree is None):
+        ap.error("give one of --a and --a-tree")
     rows = []
     for name in args.specs:
         for d in args.dims:
             spec = shipped_spec(name, d)
             plan = make_plan(spec, "auto")
-            mods = {"A": module_from(args.a.resolve(), plan, args.generator), "B": module_from(args.b.resolve(), plan, args.generator)}
+            a = module_from(args.a.resolve(), plan, args.generator) if args.a else module_from_tree(args.a_tree.resolve(), spec, args.generator)
+            mods = {"A": a, "B": module_from(args.b.resolve(), plan, args.generator)}
             parts = ("fwd", "bwd") if all(hasattr(m, "attention_backward") for m in mods.values()) else ("fwd",)
             for n in args.seq:
                 bsz, h = 16384 // n, 2048 // d

@@ -203,6 +203,62 @@ def test_lowering_is_readable(text, code):
     assert lowerer.lower_all([ex.fold(e, SCOPE)]).exprs[0] == code
 
 
+@pytest.mark.parametrize(
+    "text, code, positions",
+    [
+        # a sum of positions in a float context: each position converted once (a temporary), the sum in float32
+        ("score - 0.5 * (q_idx - kv_idx)", "score - 0.5 * (q_idx_f_0 - kv_idx_f_1)", True),
+        ("score * (q_idx + kv_len - q_len - kv_idx)", "score * (q_idx_f_0 + kv_len_f_1 - q_len_f_2 - kv_idx_f_3)", True),
+        ("score * (q_idx - kv_idx + 3)", "score * (q_idx_f_0 - kv_idx_f_1 + 3.0)", True),
+        # a partial sum that may pass 2**24 (exact float32 integers end there): converted whole
+        ("score * (q_idx + kv_len - q_len - kv_idx + 3)", "score * ((q_idx + kv_len - q_len - kv_idx).to(tl.int64) + 3).to(tl.float32)", False),
+        ("score + (kv_idx - q_idx) / 2", "score + (kv_idx_f_0 - q_idx_f_1) / 2.0", True),
+        # not a sum of positions alone (b, a product), one index only, or no float context: converted whole
+        ("score - 0.5 * (q_idx - kv_idx + b)", "score - 0.5 * (q_idx - kv_idx + b).to(tl.float32)", False),
+        ("score - 0.5 * ((q_idx - kv_idx) * 2)", "score - 0.5 * ((q_idx - kv_idx) * 2).to(tl.float32)", False),
+        ("score - 0.5 * (q_len - kv_idx)", "score - 0.5 * (q_len - kv_idx).to(tl.float32)", False),
+        ("score + 1.0 * (q_idx - kv_idx < 5)", None, False),
+    ],
+)
+def test_positions_in_float_are_converted_leaf_by_leaf(text, code, positions):
+    """expr.FLOAT_POSITIONS: no conversion per score where a row and a column index meet in a float context."""
+    e = parse(f"attention t {{ score = {text} }}").settings[0].value
+    try:
+        ex.typeof(e, SCOPE)
+    except Exception:
+        assert code is None  # (a boolean is no number here: the case only shows that nothing is converted)
+        return
+    lowerer = ex.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}), positions_leafwise=True)
+    low = lowerer.lower_all([e])
+    assert low.exprs[0] == code and lowerer.positions_in_float == positions
+    # (only where asked: the Gluon backward's lowering)
+    plain = ex.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}))
+    assert "_f_" not in plain.lower_all([e]).exprs[0] and not plain.positions_in_float
+    assert ("_position_f32" in lowerer.helpers) == positions
+    if positions:
+        assert all("_position_f32(" in line for line in low.outer + low.inner)
+        assert any(line.startswith("q_idx_f") for line in low.outer) and any(line.startswith("kv_idx_f") for line in low.inner)
+
+
+def test_positions_in_float_are_exact_up_to_their_limit(tmp_path, device):
+    """The leaf-by-leaf conversion gives the converted integer bit for bit for every position and length the
+    runtime lets through (<= FLOAT_POSITIONS = 2**23), checked at those edges; past it (2**24 + 1, which the
+    runtime refuses) it would not, which is why the limit is enforced."""
+    from attngen.spec import Var
+
+    diff = Binary("-", Binary("+", Var("q_idx"), Var("kv_len")), Binary("+", Var("kv_idx"), Var("q_len")))
+    e = Binary("*", Const(0.75, Type.FLOAT), diff)
+    limit = ex.FLOAT_POSITIONS
+    for scalars in ({"b": 0, "h": 0, "q_len": limit, "kv_len": limit}, {"b": 0, "h": 0, "q_len": 1, "kv_len": limit},
+                    {"b": 0, "h": 0, "q_len": limit, "kv_len": 0}):
+        got, want, src = _run_edge(e, tmp_path, device, scalars, leafwise=True)
+        assert "_position_f32(q_idx)" in src and ".to(tl.float32)" not in src.split("def _eval_kernel")[1]
+        assert torch.equal(got.cpu(), want.cpu().float()), src
+    # the helper itself past the limit: 2**24 + 1 is the float 2**24 + 2 there (rounded: 2**24 + 1 is no float32)
+    x = 2**24 + 1
+    assert np.array([x + 0x4B000000], dtype=np.int32).view(np.float32)[0] - np.float32(2**23) != np.float32(x)
+
+
 def test_nonnegative_is_sound_on_examples():
     env = _env()
     for text in ["q_idx // 3", "abs(q_idx - kv_idx)", "q_len - q_idx", "min(q_idx, kv_idx) % 4", "(q_idx - 5) * 2"]:
@@ -249,15 +305,17 @@ def _eval_kernel(Out, Q, S, b, h, q_len, kv_len, {params}, BM: tl.constexpr, BN:
 '''
 
 
-def _edge_tensors(device):
-    q = torch.tensor(EDGE_Q, dtype=torch.int32, device=device)
+def _edge_tensors(device, limit=None):
+    """limit: the largest length of a call (positions below it), as the runtime enforces for code that converts
+    positions to float leaf by leaf (expr.FLOAT_POSITIONS)"""
+    q = torch.tensor(EDGE_Q if limit is None else [min(x, limit - 1) for x in EDGE_Q], dtype=torch.int32, device=device)
     gen = torch.Generator().manual_seed(0)
     score = torch.tensor(EDGE_FLOATS)[torch.randint(0, 16, (16, 16), generator=gen)].to(device)
     inputs = {n: torch.tensor(EDGE_DATA[n], dtype=TORCH_DTYPES[t], device=device) for n, t in EDGE_INPUTS.items()}
     return q, score, inputs
 
 
-def _run_edge(e, tmp_path, device, scalars):
+def _run_edge(e, tmp_path, device, scalars, leafwise=False):
     from attngen.check import _check_arithmetic
     from attngen.errors import SpecError
 
@@ -266,7 +324,7 @@ def _run_edge(e, tmp_path, device, scalars):
     except SpecError:
         return None  # refused at check time, never lowered
     t = ex.typeof(e, EDGE_SCOPE)
-    lowerer = ex.Lowerer(EDGE_SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}))
+    lowerer = ex.Lowerer(EDGE_SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}), positions_leafwise=leafwise)
     folded = ex.fold(e, EDGE_SCOPE)  # the kernels see constant subexpressions folded (exactly, or in float64)
     low = lowerer.lower_all([folded])
     value = low.exprs[0]
@@ -287,7 +345,10 @@ def _run_edge(e, tmp_path, device, scalars):
     mod = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
-    q, score, inputs = _edge_tensors(device)
+    limit = ex.FLOAT_POSITIONS if lowerer.positions_in_float else None  # longer calls are refused then (runtime)
+    if limit is not None:
+        scalars = {**scalars, "q_len": min(scalars["q_len"], limit), "kv_len": min(scalars["kv_len"], limit)}
+    q, score, inputs = _edge_tensors(device, limit)
     out = torch.empty(16, 16, dtype=out_dtype, device=device)
     args = [a for x in inputs.values() for a in (x, x.stride(0), x.numel())]
     with np.errstate(all="ignore"):  # the interpreter computes with numpy: inf - inf and 0 / 0 are intended here
@@ -301,6 +362,31 @@ _SCALARS = st.fixed_dictionaries({"b": st.sampled_from([0, 1, 3, _BIG]), "h": st
                                   "q_len": st.sampled_from([1, 17, _BIG + 1]), "kv_len": st.sampled_from([1, 16, 2**20, _BIG + 1])})
 # (each example compiles a kernel: on the GPU that takes a second, in the interpreter a few milliseconds)
 _EDGE_SETTINGS = settings(max_examples=100 if __import__("os").environ.get("TRITON_INTERPRET") == "1" else 15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+_EDGE_SETTINGS_SMALL = settings(max_examples=40 if __import__("os").environ.get("TRITON_INTERPRET") == "1" else 8, deadline=None,
+                                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def _position_sums():
+    """Sums of positions, lengths and small constants (+, -, negation): what the leafwise lowering takes."""
+    from attngen.spec import Unary, Var
+
+    leaves = st.one_of(st.sampled_from([Var("q_idx"), Var("kv_idx"), Var("q_len"), Var("kv_len")]),
+                       st.integers(-300, 300).map(lambda c: Const(c, Type.INT)))
+    return st.recursive(leaves, lambda sub: st.one_of(st.builds(Binary, st.sampled_from(["+", "-"]), sub, sub),
+                                                      sub.map(lambda x: Unary("-", x))), max_leaves=6)
+
+
+@_EDGE_SETTINGS_SMALL
+@given(total=_position_sums(), scalars=_SCALARS)
+def test_random_sums_of_positions_in_float_are_exact(total, scalars, tmp_path, device):
+    """Any sum the leafwise lowering takes gives the converted integer bit for bit, at the largest positions and
+    lengths a call may have then (FLOAT_POSITIONS) as at small ones."""
+    assume(ex._positions_in_float(total))
+    got, want, src = _run_edge(Binary("*", Const(0.75, Type.FLOAT), total), tmp_path, device, scalars, leafwise=True)
+    assert "_position_f32(" in src
+    assert torch.equal(got.cpu(), want.cpu().float()), f"{ex.format_expr(total)}\n{src}"
 
 
 @_EDGE_SETTINGS
@@ -342,9 +428,10 @@ def test_a_tiny_float_quotient_floors_to_a_signed_zero(tmp_path, device):
 
 
 @_EDGE_SETTINGS
-@given(e=edge_float_exprs(), scalars=_SCALARS)
-def test_lowered_floats_match_the_reference_at_edges(e, scalars, tmp_path, device):
-    run = _run_edge(e, tmp_path, device, scalars)
+@given(e=edge_float_exprs(), scalars=_SCALARS, leafwise=st.booleans())
+def test_lowered_floats_match_the_reference_at_edges(e, scalars, leafwise, tmp_path, device):
+    """Both lowerings: the kernels' and the Gluon backward's (positions_leafwise, its calls' lengths limited)."""
+    run = _run_edge(e, tmp_path, device, scalars, leafwise)
     assume(run is not None)
     got, want, src = run
     got, want = got.cpu(), want.cpu().float()

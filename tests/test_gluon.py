@@ -85,7 +85,12 @@ def test_auto_takes_gluon_where_it_was_measured_faster():
     docs = choose(_spec("document"), plan(_spec("document"), "h100"))  # head_dim 64: the Triton backward at every length
     assert (docs.forward_at(4096), docs.backward_at(4096), docs.forward_at(1023)) == ("gluon", "triton", "triton")
     c = choose(_spec("causal_softcap"), plan(_spec("causal_softcap"), "h100"))
-    assert c.generator == "triton" and "a score modification" in c.reason and c.gluon is None
+    assert c.generator == "triton" and "a score modification with a function per score" in c.reason and c.gluon is None
+    # a bias of positions and per-program values (ALiBi): Gluon at head_dim 128 only; a read at positions: Triton
+    for name, d, want in (("alibi", 128, "gluon"), ("alibi", 64, "triton"), ("relative_bias", 128, "triton")):
+        c = choose(_spec(name, head_dim=d), plan(_spec(name, head_dim=d), "h100"))
+        assert (c.generator, c.backward_at(4096)) == (want, want), (name, d, c.describe())
+    assert "at head_dim 64: ALiBi's Gluon forward measured 0.86-0.95x" in choose(_spec("alibi"), plan(_spec("alibi"), "h100")).reason
     assert choose(_spec("causal_softcap"), plan(_spec("causal_softcap"), "h100"), Backend.GLUON).generator == "gluon"  # asked for: taken
     a100 = choose(_spec("causal"), plan(_spec("causal"), "a100"))
     assert a100.generator == "triton" and "the target is sm_80" in a100.reason

@@ -85,6 +85,23 @@ def test_direct_index_out_of_range_is_refused(target):
         kern(q, k, v, doc=torch.zeros(2, 10, dtype=torch.int32, device=q.device))
 
 
+def test_lengths_past_the_float_positions_take_the_triton_backward(target):
+    """The Gluon backward converts ALiBi's slopes[h] * (q_idx - kv_idx) to float32 leaf by leaf (expr.FLOAT_POSITIONS),
+    exact for lengths up to 2**23: a longer call (or context-parallel sequence) takes the Triton backward, which
+    converts per score. Masks of integer positions (causal, windows) and integer sums read as input indices
+    (relative_bias) convert nothing, whatever their length."""
+    from attngen.codegen.lowering import converts_positions
+    from attngen.expr import FLOAT_POSITIONS
+
+    alibi = attngen.compile(ROOT / "specs" / "alibi.attn", target, backend="gluon")
+    assert converts_positions(alibi.plan) and alibi.generator.backward == "gluon"
+    assert alibi._gluon_backward(4096, FLOAT_POSITIONS) and alibi._gluon_backward(FLOAT_POSITIONS, 1)
+    assert not alibi._gluon_backward(FLOAT_POSITIONS + 1, 1) and not alibi._gluon_backward(1, FLOAT_POSITIONS + 1, 4096)
+    for name in ("causal", "sliding_window", "relative_bias", "causal_softcap", "document"):
+        kern = attngen.compile(ROOT / "specs" / f"{name}.attn", target, backend="gluon")
+        assert not converts_positions(kern.plan) and kern._gluon_backward(FLOAT_POSITIONS + 1, FLOAT_POSITIONS + 1), name
+
+
 def test_cpu_tensors_need_the_interpreter(padded, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, v = (t.cpu() for t in _qkv())

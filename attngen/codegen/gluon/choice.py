@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import PlanError
+from ...expr import FLOAT_FUNCTIONS, children, input_reads, variables
 from ...plan import KernelPlan
-from ...spec import Backend, DType, Spec
+from ...spec import Backend, Call, DType, Spec
 from .lower import Untranslatable
 from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
 from .render import context
@@ -145,9 +146,33 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tup
     return "gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})"
 
 
+# Score modifications. Softcap's tanh (a function call, evaluated per score) made the Gluon forward 0.87-1.06x the
+# Triton generator's at d=128 (session 6; 0.89x at 4096 keys and 1.13x at 16384 in session 17). A bias of positions
+# and per-program values (ALiBi's slopes[h] * (q_idx - kv_idx)), measured on the H100 (BENCHMARKS.md, 2026-11-27
+# session 18, bf16, B*N = 16384, N = 4096 and 16384): at head_dim 128 the Gluon kernels 1.20-1.24x the Triton
+# generator's forward and 1.26-1.38x its backward (dQ in a fixed order); at 64, 0.86-0.95x forward and 0.98-1.08x
+# backward. So such biases take the Gluon generator at head_dim 128, every other score modification the Triton one.
+SCORE_GLUON_HEAD_DIMS = (128,)
+
+
 def slower_than_triton(spec: Spec) -> str | None:
     """Why `auto` keeps a supported spec on the Triton generator at every length (measured on the H100), or None.
     (Every head dim the generator takes was measured: 128 and 256 faster; 64 faster from GLUON_MIN_KEYS keys.)"""
-    if spec.score is not None:
-        return "a score modification: 0.87-1.06x the Triton forward on the H100 (softcap)"
+    if spec.score is None:
+        return None
+    if any(isinstance(e, Call) and e.func in FLOAT_FUNCTIONS for e in _nodes(spec.score)):
+        return "a score modification with a function per score: 0.87-1.13x the Triton forward on the H100 (softcap's tanh)"
+    if any(isinstance(e, Call) for e in _nodes(spec.score)) or any(variables(i) & {"q_idx", "kv_idx"} for i in input_reads(spec.score)):
+        return ("a score modification other than a bias of positions and per-program values (ALiBi), the one measured faster "
+                "through the Gluon generator")
+    if spec.head_dim not in SCORE_GLUON_HEAD_DIMS:
+        return (f"a score modification at head_dim {spec.head_dim}: ALiBi's Gluon forward measured 0.86-0.95x the Triton one at "
+                "head_dim 64 on the H100 (1.20-1.24x at 128)")
     return None
+
+
+def _nodes(e):
+    """e and every expression inside it."""
+    yield e
+    for c in children(e):
+        yield from _nodes(c)

@@ -38,7 +38,8 @@ def context(gp: GluonPlan) -> dict:
     helpers: set[str] = set()
     pos = plan.global_positions  # a context-parallel shard's kernels: the expressions see the whole sequence's lengths
     fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers, global_positions=pos)
-    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos)  # as the Triton dK/dV kernel's
+    # as the Triton dK/dV kernel's, but with sums of positions converted to float leaf by leaf (expr.FLOAT_POSITIONS)
+    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos, positions_leafwise=True)
     tile_class = None
     if plan.mask is not None and plan.classify:
         # inputs read at q_idx or kv_idx are bounded by the pre-pass's chunks, read one by one (the tiles are scalars
