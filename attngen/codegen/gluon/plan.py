@@ -34,12 +34,14 @@ MAX_STAGES = 4
 # (its ring is a stage shorter at d = 128, beside the O tiles)
 PERSISTENT_MAX_KEYS = 4096
 # The backward's persistent form (a program per SM taking work items by ticket: an item's K and V load under the
-# last one's final products and dK/dV stores), with dQ in a fixed order, for calls of at most this many keys at
-# head_dim <= 64. Measured on the H100 against a program per item (BENCHMARKS.md, 2026-11-26 session 15; bf16,
-# outputs bit-identical): at d = 64 1.065-1.071x at 1024 keys, 1.02-1.04x at 2048, 0.99-1.01x from 4096; at d = 128
-# 0.98-1.02x from 512 to 4096 keys; packed sequences and documents 0.99-1.02x
-PERSISTENT_BACKWARD_MAX_KEYS = 2048
-PERSISTENT_BACKWARD_HEAD_DIM = 64
+# last one's final products and dK/dV stores), with dQ in a fixed order, for calls of at most this many keys (by
+# head_dim). Its dK and dV go out through each warpgroup's dS^T buffer and dQ part (K's and V's tiles are the next
+# item's by then). Measured on the H100 against a program per item (BENCHMARKS.md, 2026-11-27 session 18; bf16,
+# B*N = 16384, outputs bit-identical): at d = 128 1.00-1.06x up to 4096 keys (dense 0.996x at 4096; causal 1.04-1.06x
+# at 1024-2048, documents 1.04-1.05x, windows 1.02x, packed sequences of <= 4096 1.01-1.02x), at 16384 dense 0.98x
+# and causal 1.00x (windows and documents 1.03-1.04x there); at d = 64 dense 1.01-1.04x, documents 1.07-1.09x and
+# packed sequences 1.04-1.08x, but causal 0.95x at 1024-4096 (session 15's rule, 1.02-1.07x then, kept: see there).
+PERSISTENT_BACKWARD_MAX_KEYS = {64: 2048, 128: 4096}
 # A block pattern's tiles are classified by pieces of sparse_block tokens where that proves this share of all tiles
 # empty beyond what whole tiles prove, at PIECES_PROBE_N tokens (butterfly_blocks: 69 % more; local_global and
 # strided_blocks: none, and the pieces' code made them 1.3-1.6x slower on the H100)
@@ -226,8 +228,8 @@ def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
     stages = min(3, (smem - kv_bytes - ds_bytes - dq_bytes) // stage_bytes)
     steps.append(Step("ring stages", f"min(3, (smem {smem} - K,V {kv_bytes} - dS^T x2 {ds_bytes} - dQ {dq_bytes}) // (Q,dO,lse,delta stage {stage_bytes}))",
                       f"{stages}"))
-    persistent_keys = PERSISTENT_BACKWARD_MAX_KEYS if spec.deterministic and d <= PERSISTENT_BACKWARD_HEAD_DIM else 0
-    steps.append(Step("persistent backward", f"calls of <= {PERSISTENT_BACKWARD_MAX_KEYS} keys at head_dim <= {PERSISTENT_BACKWARD_HEAD_DIM}, dQ in a fixed "
+    persistent_keys = PERSISTENT_BACKWARD_MAX_KEYS.get(d, 0) if spec.deterministic else 0
+    steps.append(Step("persistent backward", f"calls of <= {PERSISTENT_BACKWARD_MAX_KEYS} keys by head_dim, dQ in a fixed "
                                              "order: a program per SM takes key tiles by ticket, the next one's K and V loading under the last one's end "
                                              "(measured faster there only)", f"calls of <= {persistent_keys} keys" if persistent_keys else "none"))
     return {"bwd_block_n": block_n, "bwd_block_m": block_m, "bwd_stages": stages, "bwd_consumer_regs": consumer_regs,
