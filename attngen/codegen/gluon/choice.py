@@ -83,7 +83,7 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
     if backend is Backend.AUTO:
         slower = slower_than_triton(spec)
         if slower:
-            return Choice("triton", f"auto: the Gluon forward measured slower here ({slower}); backend = gluon takes it anyway")
+            return Choice("triton", f"auto: the Triton generator here ({slower}); backend = gluon takes the Gluon one anyway")
     if spec.dtype is DType.FP8:
         return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported ({FP8_MEASURED})", gp,
                       "triton", "dtype fp8 is forward only")
@@ -163,8 +163,8 @@ def slower_than_triton(spec: Spec) -> str | None:
     if any(isinstance(e, Call) and e.func in FLOAT_FUNCTIONS for e in _nodes(spec.score)):
         return "a score modification with a function per score: 0.87-1.13x the Triton forward on the H100 (softcap's tanh)"
     if any(isinstance(e, Call) for e in _nodes(spec.score)) or any(variables(i) & {"q_idx", "kv_idx"} for i in input_reads(spec.score)):
-        return ("a score modification other than a bias of positions and per-program values (ALiBi), the one measured faster "
-                "through the Gluon generator")
+        return ("a score modification other than a bias of positions and per-program values (ALiBi's), the only kind measured "
+                "faster through the Gluon generator")
     if spec.head_dim not in SCORE_GLUON_HEAD_DIMS:
         return (f"a score modification at head_dim {spec.head_dim}: ALiBi's Gluon forward measured 0.86-0.95x the Triton one at "
                 "head_dim 64 on the H100 (1.20-1.24x at 128)")

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...expr import FLOAT_POSITIONS
 from ...intervals import TileClass, classify_tiles
 from ...plan import KernelPlan, Step
 from ...spec import DType, Expr, KVLayout, LoopOrder, Spec
+from ..lowering import converts_positions
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
 HEAD_DIMS = (64, 128, 256)  # the head dims its forward is written for (wgmma's K step is 16)
@@ -229,8 +231,13 @@ def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
     steps.append(Step("ring stages", f"min(3, (smem {smem} - K,V {kv_bytes} - dS^T x2 {ds_bytes} - dQ {dq_bytes}) // (Q,dO,lse,delta stage {stage_bytes}))",
                       f"{stages}"))
     persistent_keys = PERSISTENT_BACKWARD_MAX_KEYS.get(d, 0) if spec.deterministic else 0
-    steps.append(Step("persistent backward", f"calls of <= {PERSISTENT_BACKWARD_MAX_KEYS} keys by head_dim, dQ in a fixed "
+    rule = ", ".join(f"{keys} keys at head_dim {dim}" for dim, keys in PERSISTENT_BACKWARD_MAX_KEYS.items())
+    steps.append(Step("persistent backward", f"calls of <= {rule}, dQ in a fixed "
                                              "order: a program per SM takes key tiles by ticket, the next one's K and V loading under the last one's end "
                                              "(measured faster there only)", f"calls of <= {persistent_keys} keys" if persistent_keys else "none"))
+    if converts_positions(base):
+        steps.append(Step("positions as floats", f"a sum of positions in the score (ALiBi's q_idx - kv_idx): a float per row and column, "
+                                                 f"one subtraction per score (exact for lengths <= {FLOAT_POSITIONS})",
+                          f"calls of <= {FLOAT_POSITIONS} tokens; longer ones take the Triton backward"))
     return {"bwd_block_n": block_n, "bwd_block_m": block_m, "bwd_stages": stages, "bwd_consumer_regs": consumer_regs,
             "dq_split": dq_split, "bwd_steps": tuple(steps), "bwd_persistent_max_keys": persistent_keys}
