@@ -518,16 +518,17 @@ _PY_ATOM = 10
 _BLOCK_VARS = frozenset(("q_idx", "kv_idx", "score"))
 
 # Positions as float32. An integer expression of a row and a column index converted to float (ALiBi's
-# slopes[h] * (q_idx - kv_idx)) would cost a conversion per score, and on Hopper an int-to-float conversion runs at
-# the rate of exp2 (16 a clock per SM), which the softmax already saturates at head_dim 64. Such an expression of
-# positions, lengths and integer constants joined by + and - is lowered leaf by leaf instead: each position or
-# length becomes a float32 once per row or column vector (_position_f32: two full-rate operations) and the sums are
-# float32 additions, one per score. The result is bit for bit the converted integer as long as every leaf and every
-# partial sum is an integer of magnitude at most 2**24, which holds when every length is at most FLOAT_POSITIONS.
-# Measured on the H100 (BENCHMARKS.md, 2026-11-27 session 18, ALiBi): the Gluon backward ran 1.20-1.60x faster so,
-# the forwards and the Triton backward 0.94-0.98x (their per-tile vector of key positions costs what the per-score
-# conversion saved), so only the Gluon backward lowers them so (Lowerer(positions_leafwise=True)), and the runtime
-# gives calls longer than FLOAT_POSITIONS the Triton backward (codegen.lowering.converts_positions).
+# slopes[h] * (q_idx - kv_idx)) costs an integer subtraction and a conversion (I2FP in the SASS) per score. Such an
+# expression of positions, lengths and integer constants joined by + and - can be lowered leaf by leaf instead: each
+# position or length becomes a float32 once per row or column vector (_position_f32: an integer and a float
+# addition) and the sums are float32 subtractions, one per score. The result is bit for bit the converted integer
+# as long as every leaf and every partial sum is an integer of magnitude at most 2**24, which holds when every
+# length is at most FLOAT_POSITIONS. Measured on the H100 (BENCHMARKS.md, 2026-11-27 session 18, ALiBi): the Gluon
+# backward ran 1.20-1.60x faster so (why that much is not established: its SASS holds more instructions after the
+# change and the same spills), the forwards and the Triton backward 0.94-0.98x (their per-tile vector of key
+# positions costs what the per-score conversions saved), so only the Gluon backward lowers them so
+# (Lowerer(positions_leafwise=True)), and the runtime gives calls longer than FLOAT_POSITIONS the Triton backward
+# (codegen.lowering.converts_positions).
 FLOAT_POSITIONS = 2**23
 _POSITION_RANGES = {"q_idx": (0, FLOAT_POSITIONS - 1), "kv_idx": (0, FLOAT_POSITIONS - 1),
                     "q_len": (0, FLOAT_POSITIONS), "kv_len": (0, FLOAT_POSITIONS)}
@@ -608,8 +609,8 @@ HELPERS = {
         "@triton.jit\n"
         "def _position_f32(x):\n"
         '    """x (an int32 position or length, 0 <= x <= 2**23) as float32, exactly: added to the bits of 2**23, x is\n'
-        "    the mantissa of 2**23 + x, from which 2**23 is subtracted. Two full-rate operations where a conversion runs\n"
-        '    at the rate of exp2."""\n'
+        "    the mantissa of 2**23 + x, from which 2**23 is subtracted: an integer and a float addition, no conversion\n"
+        '    instruction."""\n'
         "    return (x + 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0\n"
     ),
     "_tanh": (
