@@ -3,7 +3,7 @@ forward and the backward timed alternately, in the order A B, B A, A B, ... (--r
 The order turns each round: in a fixed order A, B, A, B the second measured lost up to 7 % on long backwards
 against an identical first (an A/A test on the H100, BENCHMARKS.md 2026-11-26 session 15).
 
-    python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR [--b templates/triton] [--generator triton|gluon]
+    python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR | --a-tree OLD_TREE [--b templates/triton] [--generator triton|gluon]
                                       [--specs dense causal] [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
 
 Declared inputs: specs/document.attn's document ids as in benchmarks/masks.py, other inputs `attngen check`'s random
