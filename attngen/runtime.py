@@ -25,8 +25,7 @@ from .codegen.gluon import choose as choose_generator
 from .codegen.gluon import plan_gluon
 from .codegen.triton import build_source
 from .errors import InputError, PlanError
-from .codegen.lowering import converts_positions
-from .expr import FLOAT_POSITIONS, SCORE_VARS, Scope, input_reads
+from .expr import SCORE_VARS, Scope, input_reads
 from .layout import empty_like_layout
 from .loader import check_device, load_module
 from .naive import evaluate
@@ -65,7 +64,6 @@ class Kernel:
         self.path = path
         self.module = module
         self._direct_indices = _direct_indices(spec)
-        self._positions_in_float = converts_positions(kernel_plan)  # see _gluon_backward
         # `auto` tiles (attngen/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
         self._passed: dict[tuple, _Dims] = {}  # what passed _check (and _serving_call's checks): see there
@@ -515,10 +513,12 @@ class Kernel:
     def _gluon_backward(self, q_len: int, kv_len: int, keys: int | None = None) -> bool:
         """Whether the generator choice gives a backward over `keys` keys (default kv_len) the Gluon kernels, whose
         sums of positions are floats leaf by leaf where the spec has them (expr.FLOAT_POSITIONS): exact for lengths
-        (positions: a shard's whole sequence's) of at most FLOAT_POSITIONS, so longer calls take the Triton backward."""
+        (positions: a shard's whole sequence's) of at most GluonPlan.bwd_max_positions, so longer calls take the
+        Triton backward."""
         if self.generator.backward_at(kv_len if keys is None else keys) != "gluon":
             return False
-        return not (self._positions_in_float and max(q_len, kv_len) > FLOAT_POSITIONS)
+        limit = self.generator.gluon.bwd_max_positions
+        return not limit or max(q_len, kv_len) <= limit
 
     def _shard_forward(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, int, int, int]):
         """O and the lse (log2 units) of q's rows attending to k's and v's keys only, where q's first row and k's

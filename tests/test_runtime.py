@@ -94,7 +94,7 @@ def test_lengths_past_the_float_positions_take_the_triton_backward(target):
     from attngen.expr import FLOAT_POSITIONS
 
     alibi = attngen.compile(ROOT / "specs" / "alibi.attn", target, backend="gluon")
-    assert converts_positions(alibi.plan) and alibi.generator.backward == "gluon"
+    assert converts_positions(alibi.plan) and alibi.generator.backward == "gluon" and alibi.generator.gluon.bwd_max_positions == FLOAT_POSITIONS
     assert alibi._gluon_backward(4096, FLOAT_POSITIONS) and alibi._gluon_backward(FLOAT_POSITIONS, 1)
     assert not alibi._gluon_backward(FLOAT_POSITIONS + 1, 1) and not alibi._gluon_backward(1, FLOAT_POSITIONS + 1, 4096)
     for name in ("causal", "sliding_window", "relative_bias", "causal_softcap", "document"):

@@ -90,6 +90,9 @@ class GluonPlan:
     # the backward (dQ in a fixed order) likewise: calls of at most this many keys take a program per SM taking
     # work items (key tiles of a (batch, key/value head)) by ticket; 0: none
     bwd_persistent_max_keys: int = 0
+    # the backward lowers sums of positions as floats leaf by leaf (expr.FLOAT_POSITIONS): exact for calls of at most
+    # this many tokens, longer ones take the Triton backward; 0: no limit
+    bwd_max_positions: int = 0
 
     @property
     def block_m(self) -> int:
@@ -235,9 +238,10 @@ def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
     steps.append(Step("persistent backward", f"calls of <= {rule}, dQ in a fixed "
                                              "order: a program per SM takes key tiles by ticket, the next one's K and V loading under the last one's end "
                                              "(measured faster there only)", f"calls of <= {persistent_keys} keys" if persistent_keys else "none"))
-    if converts_positions(base):
+    max_positions = FLOAT_POSITIONS if converts_positions(base) else 0
+    if max_positions:
         steps.append(Step("positions as floats", f"a sum of positions in the score (ALiBi's q_idx - kv_idx): a float per row and column, "
                                                  f"one subtraction per score (exact for lengths <= {FLOAT_POSITIONS})",
                           f"calls of <= {FLOAT_POSITIONS} tokens; longer ones take the Triton backward"))
     return {"bwd_block_n": block_n, "bwd_block_m": block_m, "bwd_stages": stages, "bwd_consumer_regs": consumer_regs,
-            "dq_split": dq_split, "bwd_steps": tuple(steps), "bwd_persistent_max_keys": persistent_keys}
+            "dq_split": dq_split, "bwd_steps": tuple(steps), "bwd_persistent_max_keys": persistent_keys, "bwd_max_positions": max_positions}
