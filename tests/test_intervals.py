@@ -204,7 +204,23 @@ INPUT_MASKS = {
     "prefix": ("input prefix: int32[B]", "q_idx >= kv_idx or kv_idx < prefix[b]"),
     "allowed": ("input allowed: bool[B, N]", "allowed[b, kv_idx] or q_idx == kv_idx"),
     "query_groups": ("input grp: int8[N, B]", "grp[q_idx, b % 2] <= grp[kv_idx, b % 2]"),
+    "document64": ("input doc: int64[B, N]", "doc[b, q_idx] == doc[b, kv_idx] and q_idx >= kv_idx"),
+    "limits": ("input lim: int32[B, N]", "lim[b, q_idx] >= kv_idx"),  # a read against a position
 }
+
+
+@pytest.mark.parametrize("dtype, width", [("int8", "int32"), ("int32", "int32"), ("bool", "int32"), ("int64", "int64")])
+def test_summaries_are_read_in_the_inputs_width(dtype, width):
+    """A read bounded by the pre-pass's summaries is compared in int32 for inputs of at most 32 bits (an int32
+    vector of tiles takes half the registers of int64), its unknown interval that type's whole range; int64 inputs
+    stay int64."""
+    from attngen.intervals import lower_tile_class
+
+    spec = load_spec(f"attention t {{ head_dim = 16 dtype = fp32 input x: {dtype}[B, N] mask = x[b, q_idx] == x[b, kv_idx] }}")
+    code = "\n".join(lower_tile_class(spec.mask, ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name)).stmts)
+    other = "int64" if width == "int32" else "int32"
+    assert f".to(tl.{width})" in code and f"{width.upper()}_MAX" in code and f"{width.upper()}_MIN" in code
+    assert f".to(tl.{other})" not in code and f"{other.upper()}_MAX" not in code
 
 
 def _input_probe(params: list[str]) -> str:
