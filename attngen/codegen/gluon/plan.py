@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ... import expr as ex
 from ...expr import FLOAT_POSITIONS
-from ...intervals import TileClass, classify_tiles
+from ...intervals import TileClass, classify_tiles, lower_tile_class
 from ...plan import KernelPlan, Step
 from ...spec import DType, Expr, KVLayout, LoopOrder, Spec
 from ..lowering import converts_positions
@@ -44,6 +45,10 @@ PERSISTENT_MAX_KEYS = 4096
 # and causal 1.00x (windows and documents 1.03-1.04x there); at d = 64 dense 1.01-1.04x, documents 1.07-1.09x and
 # packed sequences 1.04-1.08x, but causal 0.95x at 1024-4096 (session 15's rule, 1.02-1.07x then, kept: see there).
 PERSISTENT_BACKWARD_MAX_KEYS = {64: 2048, 128: 4096}
+# ... and calls of any length where the tile classes read the inputs' pre-pass (documents: each key tile's items are
+# as short as the data's documents, whatever the call's length): 1.04x at 16384 keys at d = 128 and 1.05x at d = 64
+# (BENCHMARKS.md, 2026-11-27 session 19; at 4096 1.05x and 1.07x)
+PERSISTENT_BACKWARD_ANY_LENGTH = 2**31 - 1
 # A block pattern's tiles are classified by pieces of sparse_block tokens where that proves this share of all tiles
 # empty beyond what whole tiles prove, at PIECES_PROBE_N tokens (butterfly_blocks: 69 % more; local_global and
 # strided_blocks: none, and the pieces' code made them 1.3-1.6x slower on the H100)
@@ -210,6 +215,14 @@ def _empty_tiles(base: KernelPlan, block_m: int, block_n: int, piece: int) -> tu
     return sum(c is TileClass.EMPTY for row in whole for c in row), pieces, len(whole) * len(whole[0])
 
 
+def _classes_read_inputs(base: KernelPlan) -> bool:
+    """Whether the mask's tile classes read the inputs' pre-pass summaries (a document mask), as the kernels classify."""
+    if base.mask is None or not base.classify:
+        return False
+    code = lower_tile_class(base.mask, ex.Scope("mask", ex.MASK_VARS, base.spec.inputs_by_name))
+    return code is not None and bool(code.bounds)
+
+
 def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
     """The backward's sizes. Per consumer warpgroup (64 keys) the registers hold dK and dV (2 x 64 x d float32)
     and the transposed score tiles S^T and dP^T (2 x 64 x BLOCK_M float32): 2 * 64 * (d + BLOCK_M) / 128 per
@@ -234,10 +247,14 @@ def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
     steps.append(Step("ring stages", f"min(3, (smem {smem} - K,V {kv_bytes} - dS^T x2 {ds_bytes} - dQ {dq_bytes}) // (Q,dO,lse,delta stage {stage_bytes}))",
                       f"{stages}"))
     persistent_keys = PERSISTENT_BACKWARD_MAX_KEYS.get(d, 0) if spec.deterministic else 0
+    any_length = bool(persistent_keys) and _classes_read_inputs(base)
     rule = ", ".join(f"{keys} keys at head_dim {dim}" for dim, keys in PERSISTENT_BACKWARD_MAX_KEYS.items())
-    steps.append(Step("persistent backward", f"calls of <= {rule}, dQ in a fixed "
-                                             "order: a program per SM takes key tiles by ticket, the next one's K and V loading under the last one's end "
-                                             "(measured faster there only)", f"calls of <= {persistent_keys} keys" if persistent_keys else "none"))
+    steps.append(Step("persistent backward", f"calls of <= {rule}, or of any length where the tile classes read the inputs (short work "
+                                             "items whatever the length: documents), dQ in a fixed order: a program per SM takes key tiles by "
+                                             "ticket, the next one's K and V loading under the last one's end (measured faster there only)",
+                      "every call" if any_length else f"calls of <= {persistent_keys} keys" if persistent_keys else "none"))
+    if any_length:
+        persistent_keys = PERSISTENT_BACKWARD_ANY_LENGTH
     max_positions = FLOAT_POSITIONS if converts_positions(base) else 0
     if max_positions:
         steps.append(Step("positions as floats", f"a sum of positions in the score (ALiBi's q_idx - kv_idx): a float per row and column, "
