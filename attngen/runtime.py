@@ -250,7 +250,9 @@ class Kernel:
         else:
             o, lse2 = _AttentionFunction.apply(self, p, seed_t, block_mask, varlen, q, k, v, *tensors)
         if varlen is not None:  # back to the packed layout: O (total_q, Hq, D), lse (Hq, total_q)
-            o, lse2 = o[0].transpose(0, 1), lse2[0]
+            # (squeeze, not [0]: select's gradient is a zero-filled copy, and dO would then reach the backward laid
+            # out by heads, copied again there; squeeze's is a view of the caller's dO)
+            o, lse2 = o.squeeze(0).transpose(0, 1), lse2.squeeze(0)
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
