@@ -212,6 +212,19 @@ def test_plan_sizes_the_backward():
         assert "gluon backward" in text and f"BLOCK_M={block_m}" in text and f"ring of {stages} Q/dO stages" in text
 
 
+def test_which_calls_take_the_persistent_backward():
+    """By head_dim, calls of few keys (PERSISTENT_BACKWARD_MAX_KEYS); where the tile classes read the inputs
+    (documents), every call: their work items are short whatever the length. With dQ in no fixed order, none."""
+    from attngen.codegen.gluon.plan import PERSISTENT_BACKWARD_ANY_LENGTH, PERSISTENT_BACKWARD_MAX_KEYS
+
+    for d in (64, 128):
+        assert plan_gluon(plan(_spec("causal", head_dim=d), "h100")).bwd_persistent_max_keys == PERSISTENT_BACKWARD_MAX_KEYS[d]
+        assert plan_gluon(plan(_spec("sliding_window", head_dim=d), "h100")).bwd_persistent_max_keys == PERSISTENT_BACKWARD_MAX_KEYS[d]
+        gp = plan_gluon(plan(_spec("document", head_dim=d), "h100"))
+        assert gp.bwd_persistent_max_keys == PERSISTENT_BACKWARD_ANY_LENGTH and "=>  every call" in gp.describe()
+    assert plan_gluon(plan(_spec("document", deterministic=False), "h100")).bwd_persistent_max_keys == 0
+
+
 def test_the_forward_skips_the_holes_of_a_block_pattern():
     """A block pattern (sparsity = ...) leaves tiles its mask proves empty between the first and last kept key
     tile of a row: the forward's load warp and consumers walk only the others (_next_tile). A mask without one
