@@ -201,7 +201,8 @@ class Kernel:
         D), sequence i's rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (int32, B + 1 entries, from 0 to total);
         max_seqlen_q/_k size the grid (default: read from cu_seqlens, a host synchronization). Expressions see
         positions and lengths inside each sequence, and b = the sequence (dropout's pattern too). O is (total_q, Hq,
-        D), the lse (Hq, total_q). Not yet with runtime block sparsity, input gradients or torch.compile.
+        D), the lse (Hq, total_q). Under torch.compile, max_seqlen_q/_k must be given (cu_seqlens is not read
+        while tracing). Not yet with runtime block sparsity or input gradients.
 
         Serving (forward only, attngen/decode.py): `kv_lens` (int32 (B,)): sequence b has kv_lens[b] valid keys in
         k, v (B, Hkv, capacity, D), the rest is never read; `q_lens` likewise for the queries (rows past it give O =
@@ -239,6 +240,9 @@ class Kernel:
             _check_varlen_features(self.spec, tensors, grad)
         # few queries, nothing to differentiate: the decode kernels (attngen/decode.py)
         decodes = not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len)
+        if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
+            o, lse2 = self._ops().varlen_forward(*(t.squeeze(0).transpose(0, 1) for t in (q, k, v)), tensors, *varlen, p, seed_t)
+            return (o, lse2 * LN2) if return_lse else o
         if compiling and decodes:
             o, lse2 = self._ops().decode(q, k, v, tensors, None, None, None)
         elif compiling:
@@ -378,9 +382,8 @@ class Kernel:
 
     def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, compiling: bool):
         """Packed sequences: q, k, v as (1, H, total rows, D) views, and (cu_q, cu_k, max_q, max_k), checked. The
-        values of cu_seqlens are checked (a host synchronization) except while a CUDA graph is captured."""
-        if compiling:
-            raise InputError("packed sequences (cu_seqlens) are not supported under torch.compile yet; call the kernel eagerly")
+        values of cu_seqlens are checked (a host synchronization) except while a CUDA graph is captured or
+        torch.compile traces (max_seqlen_q and max_seqlen_k must be given then)."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -401,11 +404,12 @@ class Kernel:
         capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         lengths = {}
         for name, cu, total, given in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
-            if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
+            if given is not None and (not isinstance(given, (int, torch.SymInt)) or isinstance(given, bool) or given < 0):
                 raise InputError(f"max_seqlen_{name[-1]} must be a non-negative int, got {given!r}")
-            if capturing:
+            if capturing or compiling:
                 if given is None:
-                    raise InputError(f"while a CUDA graph is captured, pass max_seqlen_{name[-1]} (it cannot be read from {name})")
+                    while_ = "a CUDA graph is captured" if capturing else "torch.compile traces"
+                    raise InputError(f"while {while_}, pass max_seqlen_{name[-1]} (it cannot be read from {name})")
                 lengths[name] = given
                 continue
             longest = _longest_sequence(name, cu, total)
@@ -804,6 +808,27 @@ class _Ops:
         self.backward.register_fake(_fake_backward)
         self.forward.register_autograd(self._autograd, setup_context=_setup_context)
 
+        # packed sequences (cu_seqlens): q, k, v, O, dO and the gradients in flash_attn's (total, H, D) layout, the
+        # lse (Hq, total); the kernels see them as (1, H, total, D) views (Kernel._varlen)
+        def varlen_forward(q: Tensor, k: Tensor, v: Tensor, inputs: list[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: Tensor | None) -> tuple[Tensor, Tensor]:
+            o, lse = kernel._forward_impl(*_heads_first(q, k, v), inputs, dropout_p, seed, None, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+            return _tokens_first(o), lse.squeeze(0).contiguous()
+
+        def varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, dlse: Tensor | None, inputs: list[Tensor],
+                            cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                            seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+            varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            dq, dk, dv, _ = kernel._backward_impl(*_heads_first(q, k, v, o), lse.unsqueeze(0), *_heads_first(do), None if dlse is None else dlse.unsqueeze(0),
+                                                  inputs, dropout_p, seed, None, False, varlen)
+            return _tokens_first(dq), _tokens_first(dk), _tokens_first(dv)
+
+        self.varlen_forward = torch.library.custom_op(f"attngen::{self.name}_varlen_fwd", varlen_forward, mutates_args=())
+        self.varlen_backward = torch.library.custom_op(f"attngen::{self.name}_varlen_bwd", varlen_backward, mutates_args=())
+        self.varlen_forward.register_fake(_fake_varlen_forward)
+        self.varlen_backward.register_fake(_fake_varlen_backward)
+        self.varlen_forward.register_autograd(self._varlen_autograd, setup_context=_setup_varlen_context)
+
     def _autograd(self, ctx, do, dlse):
         q, k, v, o, lse, *rest = ctx.saved_tensors
         inputs, seed, block_mask = rest[:ctx.n_inputs], *_optional(rest[ctx.n_inputs:], ctx.has_seed, ctx.has_block_mask)
@@ -811,6 +836,39 @@ class _Ops:
             do = torch.zeros_like(o)
         dq, dk, dv, grads = self.backward(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, seed, block_mask, any(ctx.wanted))
         return dq, dk, dv, list(_as_input_grads(inputs, grads, ctx.wanted)), None, None, None
+
+
+    def _varlen_autograd(self, ctx, do, dlse):
+        q, k, v, o, lse, cu_q, cu_k, *rest = ctx.saved_tensors
+        inputs, seed = rest[:ctx.n_inputs], (rest[ctx.n_inputs] if ctx.has_seed else None)
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = self.varlen_backward(q, k, v, o, lse, do, dlse, inputs, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.dropout_p, seed)
+        return dq, dk, dv, [None] * ctx.n_inputs, None, None, None, None, None, None
+
+
+def _setup_varlen_context(ctx, inputs, output) -> None:
+    q, k, v, tensors, cu_q, cu_k, max_q, max_k, dropout_p, seed = inputs
+    ctx.n_inputs, ctx.dropout_p, ctx.max_q, ctx.max_k, ctx.has_seed = len(tensors), dropout_p, max_q, max_k, seed is not None
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, *tensors, *((seed,) if seed is not None else ()))
+
+
+def _heads_first(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Packed (total, H, D) tensors as the kernels' (1, H, total, D) views."""
+    return tuple(t.permute(1, 0, 2).unsqueeze(0) for t in tensors)
+
+
+def _tokens_first(t: Tensor) -> Tensor:
+    """A kernel's (1, H, total, D) output as a (total, H, D) tensor (a view where the kernel wrote it so)."""
+    return t.squeeze(0).transpose(0, 1).contiguous()
+
+
+def _fake_varlen_forward(q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _fake_varlen_backward(q, k, v, o, lse, do, dlse, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:

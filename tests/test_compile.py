@@ -1,6 +1,7 @@
 """torch.compile over attngen kernels (issue 17): under torch.compile a kernel call is a pair of torch.library
 custom ops (forward, backward), so `fullgraph=True` traces a model that calls one, with dynamic shapes, under
-no_grad and in training, with declared inputs and their gradients, dropout, runtime block masks and return_lse.
+no_grad and in training, with declared inputs and their gradients, dropout, runtime block masks and return_lse,
+and packed sequences (cu_seqlens: a pair of ops of their own).
 On the CPU the ops run the kernels in Triton's interpreter; torch.compile runs with the aot_eager backend
 (Inductor's C++ code generation is not what is tested here, and is slow on two cores)."""
 from pathlib import Path
@@ -14,6 +15,7 @@ import attngen
 from attngen import verify
 from attngen.dtypes import TORCH_DTYPES
 from attngen.check import load_spec
+from attngen.verify import _bound
 
 SPECS = {p.stem: p for p in sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))}
 
@@ -309,3 +311,72 @@ def test_a_decode_loop_captured_in_a_cuda_graph_replays(device):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, kern(q, k, v))
+
+
+def _packed(kern, lengths, device, gen, heads=(4, 2)):
+    """q (total, Hq, D), k and v (total, Hkv, D), dO, and cu_seqlens for sequences of `lengths`."""
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
+    total, d = sum(lengths), kern.spec.head_dim
+    q, do = (torch.randn(total, heads[0], d, generator=gen).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(total, heads[1], d, generator=gen).to(device, dtype) for _ in range(2))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return [t.requires_grad_() for t in (q, k, v)], do, cu
+
+
+def test_packed_sequences_under_compile_in_one_graph(device, target):
+    """Packed sequences (cu_seqlens) under torch.compile(fullgraph=True, dynamic=True): their own pair of ops,
+    in flash_attn's layout. O, the lse and the gradients equal the eager call's bit for bit and the float64
+    reference within the naive attention's budget; other packings (number of sequences, lengths, max_seqlen)
+    reuse the graph."""
+    kern = _kernel("causal", target)
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda q, k, v, cu, m: kern(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m,
+                                                   return_lse=True), fullgraph=True, dynamic=True, backend=counter)
+    gen = torch.Generator().manual_seed(3)
+    frames = []
+    for lengths in ([5, 17, 1, 30], [9, 2, 40], [33, 7, 12, 3, 21]):
+        (q, k, v), do, cu = _packed(kern, lengths, device, gen)
+        o, lse = fn(q, k, v, cu, max(lengths))
+        grads = torch.autograd.grad((o.float() * do.float()).sum() + lse.sum(), (q, k, v))
+        o2, lse2 = kern(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), return_lse=True)
+        grads2 = torch.autograd.grad((o2.float() * do.float()).sum() + lse2.sum(), (q, k, v))
+        assert o.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and not torch.isnan(o).any()
+        assert torch.equal(o, o2) and torch.equal(lse, lse2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+        # the float64 reference, within the budget of the same-precision naive attention (as tests/test_varlen.py)
+        wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = attngen.reference(kern, *wide, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=True, dtype=torch.float64)
+        narrow = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        naive, naive_lse = attngen.reference(kern, *narrow, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=True, dtype=q.dtype)
+        err, _, bound = _bound(o.detach().cpu(), naive.detach().cpu(), ref.detach().cpu(), 2)
+        assert err <= bound, (lengths, err, bound)
+        ref_grads = torch.autograd.grad((ref * do.double()).sum() + ref_lse.sum(), wide)
+        naive_grads = torch.autograd.grad((naive.float() * do.float()).sum() + naive_lse.float().sum(), narrow)
+        for g, rg, ng in zip(grads, ref_grads, naive_grads):
+            assert not torch.isnan(g).any()
+            err, _, bound = _bound(g.cpu(), ng.cpu(), rg.cpu(), 3, 1.0)
+            assert err <= bound, (lengths, err, bound)
+        frames.append(counter.frame_count)
+    assert frames == [frames[0]] * 3
+
+
+def test_packed_sequences_under_compile_need_max_seqlen(target):
+    """cu_seqlens is not read while torch.compile traces (a host synchronization): max_seqlen_q and max_seqlen_k
+    must be given, and a call without them says so."""
+    kern = _kernel("causal", target)
+    fn = torch.compile(lambda q, k, v, cu: kern(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu), fullgraph=True, backend="aot_eager")
+    (q, k, v), _, cu = _packed(kern, [3, 4], "cpu", torch.Generator().manual_seed(0))
+    with pytest.raises(Exception, match="while torch.compile traces, pass max_seqlen_q"):
+        fn(q, k, v, cu)
+
+
+def test_opcheck_passes_for_the_packed_ops(device, target):
+    """torch.library.opcheck on the packed ops: schema, autograd registration, fake tensors, AOT dispatch with
+    dynamic shapes."""
+    kern = _kernel("causal", target)
+    (q, k, v), do, cu = _packed(kern, [5, 1, 12], device, torch.Generator().manual_seed(1))
+    ops = kern._ops()
+    args = (q, k, v, [], cu, cu, 12, 12, 0.0, None)
+    torch.library.opcheck(ops.varlen_forward, args)
+    o, lse = ops.varlen_forward(*args)
+    backward_args = (q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do, None, [], cu, cu, 12, 12, 0.0, None)
+    torch.library.opcheck(ops.varlen_backward, backward_args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
