@@ -416,8 +416,7 @@ class Kernel:
             if given is not None and given < longest:
                 raise InputError(f"max_seqlen_{name[-1]} = {given}, but a sequence of {name} has {longest} rows")
             lengths[name] = longest if given is None else given
-        views = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)]  # (1, H, total rows, D)
-        return (*views, (cu_q, cu_k, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"]))
+        return (*_heads_first(q, k, v), (cu_q, cu_k, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"]))
 
     def _forward_impl(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask, varlen=None, descales=None):
         """O and the lse in log2 units: what every call runs, eager or compiled (the tensors are checked).
@@ -836,7 +835,6 @@ class _Ops:
             do = torch.zeros_like(o)
         dq, dk, dv, grads = self.backward(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, seed, block_mask, any(ctx.wanted))
         return dq, dk, dv, list(_as_input_grads(inputs, grads, ctx.wanted)), None, None, None
-
 
     def _varlen_autograd(self, ctx, do, dlse):
         q, k, v, o, lse, cu_q, cu_k, *rest = ctx.saved_tensors
