@@ -227,6 +227,7 @@ class Kernel:
                                          cu_seqlens_q is not None or cu_seqlens_k is not None, compiling, (q_descale, k_descale, v_descale))
             return (o, lse2 * LN2) if return_lse else o
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            packed = (q, k, v)  # flash_attn's (total, H, D) layout, which the packed ops under torch.compile take
             q, k, v, varlen = self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, compiling)
             dims, tensors = self._check_all(q, k, v, inputs, varlen)
         elif max_seqlen_q is not None or max_seqlen_k is not None:
@@ -241,7 +242,7 @@ class Kernel:
         # few queries, nothing to differentiate: the decode kernels (attngen/decode.py)
         decodes = not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len)
         if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
-            o, lse2 = self._ops().varlen_forward(*(t.squeeze(0).transpose(0, 1) for t in (q, k, v)), tensors, *varlen, p, seed_t)
+            o, lse2 = self._ops().varlen_forward(*packed, tensors, *varlen, p, seed_t)
             return (o, lse2 * LN2) if return_lse else o
         if compiling and decodes:
             o, lse2 = self._ops().decode(q, k, v, tensors, None, None, None)

@@ -75,7 +75,7 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
         return Choice("triton", "the Gluon generator does not take it: " + "; ".join(why))
     gp = plan_gluon(base)
     try:
-        bounded = bool(context(gp)["bounds"])  # every piece of expression code has a Gluon counterpart (lower.NAMES)
+        context(gp)  # every piece of expression code has a Gluon counterpart (lower.NAMES)
     except Untranslatable as err:
         if backend is Backend.GLUON:
             raise PlanError(f"{spec.name}: backend = gluon, but the Gluon generator cannot render it: {err}") from None
@@ -92,7 +92,7 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
                       "triton", f"the Gluon backward takes head_dim {' or '.join(map(str, BACKWARD_HEAD_DIMS))}")
     min_keys = GLUON_MIN_KEYS.get(spec.head_dim, 0) if backend is Backend.AUTO else 0
     return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
-                  *_choose_backward(spec, backend, bounded), min_keys=min_keys)
+                  *_choose_backward(spec, backend, gp.classes_read_inputs), min_keys=min_keys)
 
 
 # The Gluon backward against the Triton generator's on the H100 (benchmarks/backward_choice.py: through autograd, the

@@ -98,6 +98,14 @@ class GluonPlan:
     # the backward lowers sums of positions as floats leaf by leaf (expr.FLOAT_POSITIONS): exact for calls of at most
     # this many tokens, longer ones take the Triton backward; 0: no limit
     bwd_max_positions: int = 0
+    # the mask's tile classes read the inputs' pre-pass summaries (a document mask): short work items whatever the
+    # length (the persistent backward's rule), and the backward choice of choice.py
+    classes_read_inputs: bool = False
+
+    @property
+    def bwd_persistent_every_call(self) -> bool:
+        """Whether every call takes the persistent backward (PERSISTENT_BACKWARD_ANY_LENGTH)."""
+        return self.bwd_persistent_max_keys == PERSISTENT_BACKWARD_ANY_LENGTH
 
     @property
     def block_m(self) -> int:
@@ -189,7 +197,8 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     steps.append(Step("key tiles visited", "a block pattern (sparsity = ...) leaves holes: only those not proved empty" if skip_empty else
                       "the range from the first to the last not proved empty (no holes in it: no branch)",
                       "not proved empty" if skip_empty else "range"))
-    bwd = _plan_backward(base, consumer_regs) if d in BACKWARD_HEAD_DIMS else {"has_backward": False}
+    reads_inputs = _classes_read_inputs(base)
+    bwd = _plan_backward(base, consumer_regs, reads_inputs) if d in BACKWARD_HEAD_DIMS else {"has_backward": False}
     piece = 0
     tiles = (consumers * M_PER_WARPGROUP, block_n, bwd.get("bwd_block_m", 0), bwd.get("bwd_block_n", 0))
     if isinstance(spec.sparsity, Expr) and base.classify and max(tiles) > spec.sparse_block:
@@ -199,7 +208,7 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
                                           f"(N={PIECES_PROBE_N}: {pieces} of {total} by pieces, {whole} whole)",
                           f"{piece} x {piece} pieces" if piece else "whole tiles"))
     return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), skip_empty, piece, **bwd, persistent=persistent,
-                     persistent_stages=persistent_stages, persistent_max_keys=PERSISTENT_MAX_KEYS)
+                     persistent_stages=persistent_stages, persistent_max_keys=PERSISTENT_MAX_KEYS, classes_read_inputs=reads_inputs)
 
 
 def _empty_tiles(base: KernelPlan, block_m: int, block_n: int, piece: int) -> tuple[int, int, int]:
@@ -223,10 +232,11 @@ def _classes_read_inputs(base: KernelPlan) -> bool:
     return code is not None and bool(code.bounds)
 
 
-def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
+def _plan_backward(base: KernelPlan, consumer_regs: int, reads_inputs: bool) -> dict:
     """The backward's sizes. Per consumer warpgroup (64 keys) the registers hold dK and dV (2 x 64 x d float32)
     and the transposed score tiles S^T and dP^T (2 x 64 x BLOCK_M float32): 2 * 64 * (d + BLOCK_M) / 128 per
-    thread, which the 240 of a consumer must hold with the dQ tile and addresses."""
+    thread, which the 240 of a consumer must hold with the dQ tile and addresses. reads_inputs: the tile classes
+    read the inputs (_classes_read_inputs)."""
     spec, tgt = base.spec, base.target
     d, isz = spec.head_dim, spec.dtype.itemsize
     steps = []
@@ -247,7 +257,7 @@ def _plan_backward(base: KernelPlan, consumer_regs: int) -> dict:
     steps.append(Step("ring stages", f"min(3, (smem {smem} - K,V {kv_bytes} - dS^T x2 {ds_bytes} - dQ {dq_bytes}) // (Q,dO,lse,delta stage {stage_bytes}))",
                       f"{stages}"))
     persistent_keys = PERSISTENT_BACKWARD_MAX_KEYS.get(d, 0) if spec.deterministic else 0
-    any_length = bool(persistent_keys) and _classes_read_inputs(base)
+    any_length = bool(persistent_keys) and reads_inputs
     rule = ", ".join(f"{keys} keys at head_dim {dim}" for dim, keys in PERSISTENT_BACKWARD_MAX_KEYS.items())
     steps.append(Step("persistent backward", f"calls of <= {rule}, or of any length where the tile classes read the inputs (short work "
                                              "items whatever the length: documents), dQ in a fixed order: a program per SM takes key tiles by "
