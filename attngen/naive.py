@@ -75,6 +75,9 @@ def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype
             if op == "//":
                 return torch.where(zero, torch.zeros_like(q), q)
             return torch.where(zero, ta, ta - q * tb)
+        if op in ("+", "-", "*") and typeof(e, scope) is Type.FLOAT:
+            # in fdtype: torch would multiply an integer tensor by a Python float in its default dtype (float32)
+            a, b = _tensor(a, fdtype).to(fdtype), _tensor(b, fdtype).to(fdtype)
         return {
             "+": lambda: a + b,
             "-": lambda: a - b,

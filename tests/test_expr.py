@@ -14,7 +14,7 @@ from strategies import EDGE_INPUTS, bool_exprs, edge_bool_exprs, edge_float_expr
 from attngen import expr as ex
 from attngen.dtypes import TORCH_DTYPES
 from attngen.naive import evaluate
-from attngen.spec import Binary, Call, Const, InputDecl, Type
+from attngen.spec import Binary, Call, Const, Index, InputDecl, Type, Var
 from attngen.syntax import parse
 
 SCOPE = ex.Scope("score", ex.SCORE_VARS, {})
@@ -463,3 +463,195 @@ def test_lowered_functions_match_the_reference_at_edges(func, tmp_path, device):
         assert torch.equal(torch.isinf(got) & (got < 0), torch.isinf(want) & (want < 0)), src
         finite = torch.isfinite(want)
         assert torch.allclose(got[finite], want[finite], rtol=4e-6, atol=1e-7), src
+
+
+# ---- separable biases: score + L(q_idx, kv_idx), added by the Gluon kernels as a key part (expr.separable_bias) ----
+BIAS_SPEC = """attention t {{
+    head_dim = 64
+    input slopes: fp32[H]
+    input pos: int32[B, N]
+    input kbias: fp32[B, N]
+    mask = q_idx >= kv_idx
+    score = {score}
+}}"""
+
+
+def _bias_spec(score: str):
+    from attngen.check import load_spec
+
+    return load_spec(BIAS_SPEC.format(score=score))
+
+
+def _bias_env(q, kv, generator):
+    return ({"b": 1, "h": 2, "q_idx": q, "kv_idx": kv, "q_len": 40, "kv_len": 48},
+            {"slopes": torch.rand(4, generator=generator, dtype=torch.float64) - 0.5,
+             "pos": torch.randint(-50, 50, (2, 48), generator=generator),
+             "kbias": torch.randn(2, 48, generator=generator, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize(
+    "score, separable",
+    [
+        ("score - slopes[h] * (q_idx - kv_idx)", True),  # ALiBi
+        ("score - slopes[h] * (q_idx + kv_len - q_len - kv_idx)", True),  # bottom-right ALiBi
+        ("score + 0.5 * q_idx - 0.25 * kv_idx + b", True),
+        ("(score + q_idx) - kv_idx * 2", True),
+        ("score + (q_idx // 64) * 0.5 + pos[b, kv_idx]", True),  # an integer read at a position: finite
+        ("score - slopes[h] * abs(q_idx - kv_idx)", False),  # |q - kv| is no sum of a row's and a key's term
+        ("score + (q_idx - kv_idx) * (q_idx - kv_idx)", False),
+        ("score + kbias[b, kv_idx]", False),  # a float read at a position may hold -inf: L(r, kv) would be -inf
+        ("score + exp(0.01 * kv_idx)", False),  # a float function of a position may overflow
+        ("score + q_idx / kv_len", False),  # a division by something that may be 0
+        ("score * 2.0 + q_idx", False),  # score scaled
+        ("q_idx - score", False),
+        ("score + score * 0.5", False),
+        ("30.0 * tanh(score / 30.0)", False),  # softcap
+    ],
+)
+def test_separable_biases_are_recognized(score, separable):
+    spec = _bias_spec(score)
+    scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
+    assert (ex.separable_bias(spec.score, scope) is not None) == separable
+
+
+def _parts_agree(bias, scope, inputs, q, kv, r):
+    """The identities the kernels rely on, in float64 with the reference evaluator: L(q, kv) = row(q) + key(kv)
+    for the ref row r, and (affine key parts) key(kv_lo + off) = tile(kv_lo) + step(off)."""
+    from attngen.codegen.lowering import bias_part
+
+    def part(name, rows):
+        expr, roles = bias_part(bias, name)
+        env = {"b": 1, "h": 2, "q_len": 40, "kv_len": 48, "q_idx": q, "kv_idx": kv}
+        env |= {v: {"ref": r, "rows": rows}[role] for v, role in roles.items()}
+        return torch.as_tensor(evaluate(expr, env, inputs, scope, torch.float64), dtype=torch.float64)
+
+    env = {"b": 1, "h": 2, "q_len": 40, "kv_len": 48, "q_idx": q, "kv_idx": kv}
+    whole = torch.as_tensor(evaluate(bias, env, inputs, scope, torch.float64), dtype=torch.float64).broadcast_to((q.shape[0], kv.shape[1]))
+    split = (part("row", q) + part("key", None)).broadcast_to(whole.shape)
+    assert torch.allclose(split, whole, rtol=1e-12, atol=1e-9), (ex.format_expr(bias), r)
+    if ex.affine_in(bias, "kv_idx"):
+        kv_lo, off = 16, kv - 16
+        assert torch.allclose((part("tile", kv_lo) + part("step", off)).broadcast_to(kv.shape),
+                              part("key", None).broadcast_to(kv.shape), rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("score", ["score - slopes[h] * (q_idx - kv_idx)", "score - slopes[h] * (q_idx + kv_len - q_len - kv_idx)",
+                                   "score + (q_idx // 64) * 0.5 + pos[b, kv_idx]", "score + 0.5 * q_idx * slopes[h] - pos[b, q_idx] + kv_idx"])
+def test_a_separable_bias_is_its_row_part_plus_its_key_part(score):
+    spec = _bias_spec(score)
+    scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
+    bias = ex.separable_bias(spec.score, scope)
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.arange(40).view(-1, 1), torch.arange(48).view(1, -1)
+    _, inputs = _bias_env(q, kv, g)
+    for r in (0, 7, 39, 1000):
+        _parts_agree(bias, scope, inputs, q, kv, r)
+
+
+def _one_index_terms():
+    """Random integer expressions of q_idx alone or kv_idx alone (b, h, lengths and constants beside)."""
+    def only(var):
+        other = "kv_idx" if var == "q_idx" else "q_idx"
+        return int_exprs(5).map(lambda e: ex.substitute(e, {other: Var(var)}))
+    return st.tuples(only("q_idx"), only("kv_idx"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(terms=_one_index_terms(), mixed=int_exprs(4), ops=st.tuples(st.sampled_from(["+", "-"]), st.sampled_from(["+", "-"])),
+       factor=st.sampled_from([None, Const(0.5, Type.FLOAT), Index("slopes", (Var("h"),))]), with_mixed=st.booleans())
+def test_every_bias_taken_as_separable_splits_exactly(terms, mixed, ops, factor, with_mixed):
+    """Sums of terms of one index each, scaled or not, sometimes with a term of both (which may or may not be
+    separable): whatever separable_bias takes satisfies the identities, for several ref rows."""
+    spec = _bias_spec("score")
+    scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
+    rest = Binary(ops[0], terms[0], terms[1])
+    if with_mixed:
+        rest = Binary(ops[1], rest, mixed)
+    if factor is not None:
+        rest = Binary("*", factor, rest)
+    e = Binary("+", Var("score"), rest)
+    bias = ex.separable_bias(e, scope)
+    if not with_mixed:
+        assert bias is not None, ex.format_expr(e)  # a sum of terms of one index each is always taken
+    assume(bias is not None)
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.arange(40).view(-1, 1), torch.arange(48).view(1, -1)
+    _, inputs = _bias_env(q, kv, g)
+    env = {"b": 1, "h": 2, "q_len": 40, "kv_len": 48, "q_idx": q, "kv_idx": kv, "score": torch.zeros(40, 48, dtype=torch.float64)}
+    assert torch.allclose(torch.as_tensor(evaluate(e, env, inputs, scope, torch.float64), dtype=torch.float64),
+                          torch.as_tensor(evaluate(bias, env, inputs, scope, torch.float64), dtype=torch.float64))  # L = e - score
+    for r in (0, 13, 47):
+        _parts_agree(bias, scope, inputs, q, kv, r)
+
+
+BIAS_KERNEL = '''
+import triton
+import triton.language as tl
+
+{helpers}
+
+@triton.jit
+def _bias_kernel(Out, in_slopes_ptr, in_slopes_stride_0, in_slopes_size_0, in_pos_ptr, in_pos_stride_0, in_pos_stride_1,
+                 in_pos_size_0, in_pos_size_1, in_kbias_ptr, in_kbias_stride_0, in_kbias_stride_1, in_kbias_size_0,
+                 in_kbias_size_1, q_ref, b, h, q_len, kv_len, BM: tl.constexpr, BN: tl.constexpr, AFFINE: tl.constexpr):
+    offs_m = tl.arange(0, BM)
+    q_idx = offs_m[:, None]
+    kv_idx = tl.arange(0, BN)[None, :]
+{key_stmts}
+    key = {key} + tl.zeros([1, BN], tl.float32)
+    if AFFINE:  # the tile of 16 keys from kv_lo = 16, as the forward adds it: its first key's value and the offsets'
+        kv_lo = 16
+        offs_n = kv_idx - 16
+{tile_stmts}
+{step_stmts}
+        key = tl.where(kv_idx >= 16, ({step}) + ({tile}), key)
+{row_stmts}
+    row = {row} + tl.zeros([BM], tl.float32)
+    tl.store(Out + offs_m[:, None] * BN + kv_idx, key + row[:, None])
+'''
+
+
+@pytest.mark.skipif("not __import__('os').environ.get('TRITON_INTERPRET')", reason="runs generated code in Triton's interpreter (CPU runs)")
+@pytest.mark.parametrize("score", ["score - slopes[h] * (q_idx - kv_idx)", "score - slopes[h] * (q_idx + kv_len - q_len - kv_idx)",
+                                   "score + (q_idx // 64) * 0.5 + pos[b, kv_idx]"])
+def test_lowered_bias_parts_add_up_to_the_bias(score, tmp_path):
+    """The code lower_bias gives the Gluon kernels (here in Triton's names, which lower.translate maps one to one),
+    run in the interpreter: the row part plus the key part (or, affine, the tile's and the step's) is L(q, kv)
+    within float32 rounding of the reference's float64, for a ref row inside the tile and one far from it."""
+    from attngen.codegen.lowering import key_part_affine, lower_bias
+    from attngen.plan import plan
+
+    spec = _bias_spec(score)
+    p = plan(spec, "h100")
+    scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
+    bias = ex.separable_bias(p.score, scope)
+    helpers: set[str] = set()
+    key = lower_bias(p, "key", "", "q_ref", frozenset({"kv_idx"}), helpers, "k_")
+    row = lower_bias(p, "row", "offs_m", "q_ref", frozenset(), helpers, "r_")
+    affine = key_part_affine(p)
+    tile = lower_bias(p, "tile", "kv_lo", "q_ref", frozenset(), helpers, "t_") if affine else key
+    step = lower_bias(p, "step", "offs_n", "q_ref", frozenset(), helpers, "s_") if affine else key
+
+    def stmts(code, indent):
+        return "\n".join(" " * indent + line for line in code.outer + code.inner) or " " * indent + "pass"
+
+    src = BIAS_KERNEL.format(helpers="\n\n".join(ex.HELPERS[h] for h in sorted(helpers)), key_stmts=stmts(key, 4), key=key.code,
+                             tile_stmts=stmts(tile, 8), step_stmts=stmts(step, 8), tile=tile.code, step=step.code,
+                             row_stmts=stmts(row, 4), row=row.code)
+    path = tmp_path / "bias_parts.py"
+    path.write_text(src)
+    mspec = importlib.util.spec_from_file_location("bias_parts", path)
+    mod = importlib.util.module_from_spec(mspec)
+    sys.modules["bias_parts"] = mod
+    mspec.loader.exec_module(mod)
+    g = torch.Generator().manual_seed(2)
+    q, kv = torch.arange(32).view(-1, 1), torch.arange(32).view(1, -1)
+    env, inputs = _bias_env(q, kv, g)
+    want = torch.as_tensor(evaluate(bias, env, inputs, scope, torch.float64), dtype=torch.float64).broadcast_to((32, 32))
+    slopes, pos, kbias = inputs["slopes"].float(), inputs["pos"].int(), inputs["kbias"].float()
+    for q_ref in (0, 16, 5000):
+        out = torch.empty(32, 32)
+        mod._bias_kernel[(1,)](out, slopes, 1, 4, pos, pos.stride(0), 1, 2, 48, kbias, kbias.stride(0), 1, 2, 48, q_ref, 1, 2, 40, 48,
+                               BM=32, BN=32, AFFINE=affine)
+        assert not torch.isnan(out).any()
+        assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-4 * (1 + q_ref / 100)), (score, q_ref, src)

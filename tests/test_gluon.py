@@ -86,11 +86,16 @@ def test_auto_takes_gluon_where_it_was_measured_faster():
     assert (docs.forward_at(4096), docs.backward_at(4096), docs.forward_at(1023)) == ("gluon", "triton", "triton")
     c = choose(_spec("causal_softcap"), plan(_spec("causal_softcap"), "h100"))
     assert c.generator == "triton" and "a score modification with a function per score" in c.reason and c.gluon is None
-    # a bias of positions and per-program values (ALiBi): Gluon at head_dim 128 only; a read at positions: Triton
-    for name, d, want in (("alibi", 128, "gluon"), ("alibi", 64, "triton"), ("relative_bias", 128, "triton")):
+    # a separable bias (ALiBi): Gluon at every head dim; a read at positions: Triton; another bias of positions and
+    # per-program values: Gluon at head_dim 128 only
+    for name, d, want in (("alibi", 128, "gluon"), ("alibi", 64, "gluon"), ("relative_bias", 128, "triton")):
         c = choose(_spec(name, head_dim=d), plan(_spec(name, head_dim=d), "h100"))
         assert (c.generator, c.backward_at(4096)) == (want, want), (name, d, c.describe())
-    assert "at head_dim 64: ALiBi's Gluon forward measured 0.86-0.95x" in choose(_spec("alibi"), plan(_spec("alibi"), "h100")).reason
+    square = "attention sq {{ head_dim = {d}\n mask = q_idx >= kv_idx\n score = score - 0.01 * (q_idx - kv_idx) * (q_idx - kv_idx) }}"
+    for d, want in ((128, "gluon"), (64, "triton")):
+        c = choose(load_spec(square.format(d=d)), plan(load_spec(square.format(d=d)), "h100"))
+        assert c.generator == want, (d, c.describe())
+    assert "at head_dim 64 that is no separable bias" in c.reason
     assert choose(_spec("causal_softcap"), plan(_spec("causal_softcap"), "h100"), Backend.GLUON).generator == "gluon"  # asked for: taken
     a100 = choose(_spec("causal"), plan(_spec("causal"), "a100"))
     assert a100.generator == "triton" and "the target is sm_80" in a100.reason
@@ -360,6 +365,82 @@ def test_rendered_source_is_readable_and_carries_only_ir_code(name):
     assert "def _attn_bwd(" in unordered and "_wait_turn" not in unordered and "_bwd_dq_partition" not in unordered
 
 
+# A separable bias whose key part is not affine in kv_idx (a read at the key): the kernels add it key by key
+KEY_BIAS = """attention key_bias {
+    head_dim = 128
+    dtype    = bf16
+    input pos: int32[B, N]
+    mask     = q_idx >= kv_idx
+    score    = score + 0.05 * (q_idx // 16) - 0.01 * pos[b, kv_idx]
+}"""
+# An affine one without inputs at head_dim 64: its calls of few keys take both passes' persistent forms
+SLOPE_BIAS = """attention slope_bias {
+    head_dim = 64
+    dtype    = bf16
+    mask     = q_idx >= kv_idx
+    score    = score - 0.0625 * (q_idx + kv_len - q_len - kv_idx)
+}"""
+BIASES = {"key_bias": KEY_BIAS, "slope_bias": SLOPE_BIAS}
+
+
+def test_a_separable_bias_is_added_as_a_key_part():
+    """ALiBi (expr.separable_bias): the forward adds its key part as the tile's first key's value plus a vector of
+    offsets made once an item, and its row part to the lse; the backward adds the key part of its query tile's
+    first row, the pre-pass takes the row part off the lse (with dQ in no fixed order too, whose pre-pass then
+    takes the inputs); no score pays a position's conversion. A key part that is not affine goes key by key;
+    softcap's tanh is no bias."""
+    src = render(plan_gluon(plan(_spec("alibi"), "h100")))
+    assert "bias_step = (" in src and "_softmax_step(qk, m_i, l_i, q_idx, q_ref, bias_step, j, full," in src
+    assert "m_i + gl.log2(l_safe) + (" in src and "lse -= (" in src and "s = s_t * QK_SCALE_LOG2 + bias_key" in src
+    step = src.split("def _softmax_step(")[1].split("\n\n\n")[0]
+    assert "(q_ref - j * BLOCK_N).to(gl.float32)" in step and "kv_idx).to(" not in step  # a conversion per tile, none per key
+    assert "_position_f32" not in src and "(q_idx - kv_idx).to(" not in src
+    unordered = render(plan_gluon(plan(_spec("alibi", deterministic=False), "h100")))
+    delta = unordered.split("def _bwd_delta(")[1].split(")")[0]
+    assert "in_slopes_ptr" in delta and "lse -= (" in unordered
+    keyed = render(plan_gluon(plan(load_spec(KEY_BIAS), "h100")))
+    assert "bias_step" not in keyed and "s = qk * QK_SCALE_LOG2 + (" in keyed and "fbias_pos_" in keyed
+    softcap = render(plan_gluon(plan(_spec("causal_softcap"), "h100")))
+    assert "q_ref" not in softcap and "bias_key" not in softcap
+
+
+@pytest.mark.slow  # triton.compile for sm_90 in a subprocess: about 1 min each on 2 cores
+@pytest.mark.parametrize("name, deterministic", [("key_bias", True), ("key_bias", False), ("slope_bias", True)])
+def test_a_separable_bias_compiles_for_sm90(name, deterministic, tmp_path):
+    """BIASES through the Gluon kernels (the key-by-key one with dQ in order or not; the affine one without inputs,
+    whose short calls take the persistent forms) compile for sm_90 with the schedule intact and no spills in the
+    forward (ALiBi: in the tests above and below)."""
+    from attngen.codegen.gluon import build_source
+
+    path = tmp_path / f"{name}_{deterministic}_gluon.py"
+    spec = dataclasses.replace(load_spec(BIASES[name]), deterministic=deterministic)
+    gp = plan_gluon(plan(spec, "h100"))
+    assert gp.persistent == (name == "slope_bias") and (gp.bwd_persistent_max_keys > 0) == deterministic
+    path.write_text(build_source(gp)[1])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path), "bf16"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
+    kernels = ["_attn_fwd", "_attn_bwd"] + ["_attn_fwd persistent"] * gp.persistent + ["_attn_bwd persistent"] * deterministic
+    for kernel in kernels:
+        r = lines[kernel]
+        assert {"24", "240"} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"] and r["cubin_bytes"] > 0, r
+    assert lines["_attn_fwd"]["spill_bytes"] == 0 and lines["_bwd_delta"]["cubin_bytes"] > 0
+
+
+@pytest.mark.parametrize("name, deterministic", [("key_bias", True), ("key_bias", False), ("slope_bias", True)])
+def test_a_separable_bias_matches_the_reference(name, deterministic, device):
+    """BIASES through both Gluon passes within `attngen check`'s budget on every CUDA shape (the lse included,
+    which holds the row part; slope_bias's short calls through the persistent forms), bf16."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    kern = attngen.compile(dataclasses.replace(load_spec(BIASES[name]), deterministic=deterministic), backend="gluon")
+    assert (kern.generator.generator, kern.generator.backward) == ("gluon", "gluon")
+    results = [verify.check_one(kern, shape, "cuda", seed=i) for i, shape in enumerate(verify.CUDA_SHAPES)]
+    assert all(r.ok for r in results), verify.format_table(name, results)
+
+
 @pytest.mark.slow  # triton.compile for sm_90 in subprocesses: about 3 min on 2 cores
 def test_every_taken_spec_compiles_for_sm90(tmp_path):
     """A Gluon kernel that does not compile would only fail on the GPU: compile each spec's kernels for sm_90 here
@@ -372,7 +453,7 @@ def test_every_taken_spec_compiles_for_sm90(tmp_path):
 
     smem = plan(_spec("causal"), "h100").target.smem_per_block
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for name, det in [(name, True) for name in TAKEN] + [("dense", False), ("causal", False)]:
+    for name, det in [(name, True) for name in TAKEN] + [("dense", False), ("causal", False), ("alibi", False)]:
         path = tmp_path / f"{name}_{det}_gluon.py"
         path.write_text(build_source(plan_gluon(plan(_spec(name, deterministic=det), "h100")))[1])
         run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path), "bf16", "fp16"], env=env,

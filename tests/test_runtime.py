@@ -86,17 +86,26 @@ def test_direct_index_out_of_range_is_refused(target):
 
 
 def test_lengths_past_the_float_positions_take_the_triton_backward(target):
-    """The Gluon backward converts ALiBi's slopes[h] * (q_idx - kv_idx) to float32 leaf by leaf (expr.FLOAT_POSITIONS),
-    exact for lengths up to 2**23: a longer call (or context-parallel sequence) takes the Triton backward, which
-    converts per score. Masks of integer positions (causal, windows) and integer sums read as input indices
-    (relative_bias) convert nothing, whatever their length."""
+    """The Gluon backward converts a sum of positions in a float context per score (a square of distances here) to
+    float32 leaf by leaf (expr.FLOAT_POSITIONS), exact for lengths up to 2**23: a longer call (or context-parallel
+    sequence) takes the Triton backward, which converts per score. A separable bias (ALiBi) is added by its key
+    part, converted per key, on one GPU (a context-parallel shard lowers it per score: leaf by leaf again). Masks
+    of integer positions (causal, windows) and integer sums read as input indices (relative_bias) convert nothing,
+    whatever their length."""
+    import dataclasses
+
+    from attngen.check import load_spec
     from attngen.codegen.lowering import converts_positions
     from attngen.expr import FLOAT_POSITIONS
 
+    square = load_spec("attention sq {\n head_dim = 128\n mask = q_idx >= kv_idx\n score = score - 0.001 * (q_idx - kv_idx) * (q_idx - kv_idx)\n}")
+    sq = attngen.compile(square, target, backend="gluon")
+    assert converts_positions(sq.plan) and sq.generator.backward == "gluon" and sq.generator.gluon.bwd_max_positions == FLOAT_POSITIONS
+    assert sq._gluon_backward(4096, FLOAT_POSITIONS) and sq._gluon_backward(FLOAT_POSITIONS, 1)
+    assert not sq._gluon_backward(FLOAT_POSITIONS + 1, 1) and not sq._gluon_backward(1, FLOAT_POSITIONS + 1, 4096)
     alibi = attngen.compile(ROOT / "specs" / "alibi.attn", target, backend="gluon")
-    assert converts_positions(alibi.plan) and alibi.generator.backward == "gluon" and alibi.generator.gluon.bwd_max_positions == FLOAT_POSITIONS
-    assert alibi._gluon_backward(4096, FLOAT_POSITIONS) and alibi._gluon_backward(FLOAT_POSITIONS, 1)
-    assert not alibi._gluon_backward(FLOAT_POSITIONS + 1, 1) and not alibi._gluon_backward(1, FLOAT_POSITIONS + 1, 4096)
+    assert not converts_positions(alibi.plan) and alibi._gluon_backward(FLOAT_POSITIONS + 1, FLOAT_POSITIONS + 1)
+    assert converts_positions(dataclasses.replace(alibi.plan, global_positions=True))
     for name in ("causal", "sliding_window", "relative_bias", "causal_softcap", "document"):
         kern = attngen.compile(ROOT / "specs" / f"{name}.attn", target, backend="gluon")
         assert not converts_positions(kern.plan) and kern._gluon_backward(FLOAT_POSITIONS + 1, FLOAT_POSITIONS + 1), name

@@ -13,6 +13,7 @@ from ...spec import Backend, Call, DType, Spec
 from .lower import Untranslatable
 from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
 from .render import context
+from ..lowering import bias_of
 
 # What `auto` takes: on the H100 (BENCHMARKS.md, 2026-11-24) the Gluon forward was 1.25-1.46x the Triton generator's
 # at d=128 (dense, causal; sliding window 1.17-1.24x with the version before), but 0.87-1.06x with softcap's score
@@ -81,7 +82,7 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
             raise PlanError(f"{spec.name}: backend = gluon, but the Gluon generator cannot render it: {err}") from None
         return Choice("triton", f"the Gluon generator does not take it: {err}")
     if backend is Backend.AUTO:
-        slower = slower_than_triton(spec)
+        slower = slower_than_triton(spec, base)
         if slower:
             return Choice("triton", f"auto: the Triton generator here ({slower}); backend = gluon takes the Gluon one anyway")
     if spec.dtype is DType.FP8:
@@ -148,26 +149,30 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tup
 
 # Score modifications. Softcap's tanh (a function call, evaluated per score) made the Gluon forward 0.87-1.06x the
 # Triton generator's at d=128 (session 6; 0.89x at 4096 keys and 1.13x at 16384 in session 17). A bias of positions
-# and per-program values (ALiBi's slopes[h] * (q_idx - kv_idx)), measured on the H100 (BENCHMARKS.md, 2026-11-27
-# session 18, bf16, B*N = 16384, N = 4096 and 16384): at head_dim 128 the Gluon kernels 1.20-1.24x the Triton
-# generator's forward and 1.26-1.38x its backward (dQ in a fixed order); at 64, 0.86-0.95x forward and 0.98-1.08x
-# backward. So such biases take the Gluon generator at head_dim 128, every other score modification the Triton one.
+# and per-program values lowered per score (ALiBi's slopes[h] * (q_idx - kv_idx) before session 20), measured on the
+# H100 (BENCHMARKS.md, 2026-11-27 session 18, bf16, B*N = 16384, N = 4096 and 16384): at head_dim 128 the Gluon
+# kernels 1.20-1.24x the Triton generator's forward and 1.26-1.38x its backward (dQ in a fixed order); at 64,
+# 0.86-0.95x forward and 0.98-1.08x backward. A separable bias (expr.separable_bias: ALiBi), which the Gluon kernels
+# add as a key part since session 20: 1.44-1.45x forward and 1.33-1.39x backward at head_dim 128, 1.04-1.24x and
+# 1.34-1.41x at 64 (BENCHMARKS.md, 2026-11-27 session 20). So separable biases take the Gluon generator at every head
+# dim, other biases of positions and per-program values at head_dim 128, every other score modification the Triton
+# one.
 SCORE_GLUON_HEAD_DIMS = (128,)
 
 
-def slower_than_triton(spec: Spec) -> str | None:
+def slower_than_triton(spec: Spec, base: KernelPlan) -> str | None:
     """Why `auto` keeps a supported spec on the Triton generator at every length (measured on the H100), or None.
     (Every head dim the generator takes was measured: 128 and 256 faster; 64 faster from GLUON_MIN_KEYS keys.)"""
-    if spec.score is None:
-        return None
+    if spec.score is None or bias_of(base) is not None:
+        return None  # no score modification, or a separable bias
     if any(isinstance(e, Call) and e.func in FLOAT_FUNCTIONS for e in _nodes(spec.score)):
         return "a score modification with a function per score: 0.87-1.13x the Triton forward on the H100 (softcap's tanh)"
     if any(isinstance(e, Call) for e in _nodes(spec.score)) or any(variables(i) & {"q_idx", "kv_idx"} for i in input_reads(spec.score)):
         return ("a score modification other than a bias of positions and per-program values (ALiBi's), the only kind measured "
                 "faster through the Gluon generator")
     if spec.head_dim not in SCORE_GLUON_HEAD_DIMS:
-        return (f"a score modification at head_dim {spec.head_dim}: ALiBi's Gluon forward measured 0.86-0.95x the Triton one at "
-                "head_dim 64 on the H100 (1.20-1.24x at 128)")
+        return (f"a score modification at head_dim {spec.head_dim} that is no separable bias: ALiBi's Gluon forward measured "
+                "0.86-0.95x the Triton one at head_dim 64 on the H100 when it was computed per score (1.20-1.24x at 128)")
     return None
 
 

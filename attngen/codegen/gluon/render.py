@@ -10,7 +10,7 @@ from ...canonical import format_spec
 from ...spec import DType
 from ...intervals import lower_tile_class
 from .. import Templates, versions
-from ..lowering import KernelCode, lower_for_kernel
+from ..lowering import BiasCode, KernelCode, bias_of, key_part_affine, lower_bias, lower_for_kernel
 from .lower import helpers as gluon_helpers
 from .lower import translate
 from .plan import M_PER_WARPGROUP, REGISTERS_PER_SM, GluonPlan
@@ -37,9 +37,28 @@ def context(gp: GluonPlan) -> dict:
     names = [i.name for i in spec.inputs]
     helpers: set[str] = set()
     pos = plan.global_positions  # a context-parallel shard's kernels: the expressions see the whole sequence's lengths
-    fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers, global_positions=pos)
+    # a score modification that is a separable bias (expr.separable_bias) is added as one: its key part per key, its
+    # row part in the log-sum-exp (the forward's epilogue and the backward's pre-pass); the other lowerings then
+    # carry the mask alone
+    bias = None
+    if bias_of(plan) is not None:
+        def part(kind: str, rows: str, ref: str, inner_vars: frozenset[str], prefix: str) -> BiasCode:
+            low = lower_bias(plan, kind, rows, ref, inner_vars, helpers, prefix)
+            return BiasCode([translate(x) for x in low.outer], [translate(x) for x in low.inner], translate(low.code))
+
+        # the forward's key part: an affine one as a tile's first key's value plus a vector of the offsets (the same
+        # every tile, made once an item), any other one key by key
+        affine = key_part_affine(plan)
+        bias = {"fwd_key": None if affine else part("key", "", "q_ref", frozenset({"kv_idx", "score"}), "fbias_"),
+                "fwd_tile": part("tile", "j * BLOCK_N", "q_ref", frozenset({"kv_idx", "score"}), "ftile_") if affine else None,
+                "fwd_step": part("step", "offs_n", "q_ref", frozenset(), "fstep_") if affine else None,
+                "fwd_row": part("row", "offs_m", "q_ref", frozenset(), "frow_"),
+                "bwd_key": part("key", "", "q_lo", frozenset({"q_idx", "h", "score"}), "bbias_"),
+                "delta_row": part("row", "offs_r", "q_ref", frozenset(), "brow_")}
+    fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers, global_positions=pos, want_score=bias is None)
     # as the Triton dK/dV kernel's, but with sums of positions converted to float leaf by leaf (expr.FLOAT_POSITIONS)
-    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos, positions_leafwise=True)
+    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos, positions_leafwise=True,
+                            want_score=bias is None)
     tile_class = None
     if plan.mask is not None and plan.classify:
         # inputs read at q_idx or kv_idx are bounded by the pre-pass's chunks, read one by one (the tiles are scalars
@@ -62,7 +81,8 @@ def context(gp: GluonPlan) -> dict:
         "scale": repr(float(plan.scale)),
         "qk_scale_log2": repr(float(plan.scale) * LOG2E),
         "has_mask": plan.mask is not None,
-        "has_score": plan.score is not None,
+        "has_score": plan.score is not None and bias is None,  # a score modification lowered per score
+        "bias": bias,  # or added as a separable bias: its parts' code
         "has_dropout": spec.dropout > 0.0,
         "runtime_sparsity": spec.sparsity == "runtime",  # the kernels walk lists of kept blocks (attngen/blocks.py)
         "sparse_block": spec.sparse_block,
