@@ -163,6 +163,23 @@ def test_plan_sizes_the_ring_from_shared_memory():
         assert (gp.block_m, gp.block_n, gp.consumers, gp.load_regs, gp.consumer_regs) == (128, 128, 2, 24, 240)
         # the register budget: 2 consumer warpgroups at 240 and the load warpgroup at 24 fit the 65536 of an SM
         assert 128 * (2 * gp.consumer_regs + gp.load_regs) <= 65536
+        assert gp.fwd_maxnreg * 128 * 3 <= 65536 and "consumers 240 (maxnreg 168 at entry)" in render(gp)
+
+
+def test_three_consumer_warpgroups_where_no_mask_or_score_is():
+    """head_dim 64 with no mask, score modification or dropout: three consumer warpgroups of 64 rows (192 a work
+    item), 160 registers each, the ring of the Q tiles that leave room; masked, biased or dropped-out specs and
+    head_dim 128 keep two (as measured: plan.py's THREE_CONSUMERS_MAX_HEAD_DIM); the backward keeps its two at 240 either way."""
+    dense = plan_gluon(plan(_spec("dense", head_dim=64), "h100"))
+    assert (dense.consumers, dense.block_m, dense.consumer_regs, dense.fwd_maxnreg, dense.bwd_consumer_regs) == (3, 192, 160, 128, 240)
+    assert 128 * (3 * dense.consumer_regs + dense.load_regs) <= 65536 and dense.stages == 4
+    src = render(dense)
+    assert "def _consumer_2(" in src and "], [1, 4, 4], [LOAD_REGS, CONSUMER_REGS, CONSUMER_REGS])" in src and "CONSUMERS = gl.constexpr(3)" in src
+    assert "FWD_MAXNREG = 128" in src and "MAXNREG = 168" in src
+    for name, changes in (("causal", {"head_dim": 64}), ("alibi", {}), ("dense", {"head_dim": 128}), ("dense", {"head_dim": 64, "dropout": 0.1})):
+        gp = plan_gluon(plan(_spec(name, **changes), "h100"))
+        assert (gp.consumers, gp.block_m) == (2, 128), (name, changes)
+        assert "def _consumer_2(" not in render(gp)
 
 
 def test_head_dim_256_has_a_forward_of_64_key_tiles_and_the_triton_backward():
@@ -453,28 +470,35 @@ def test_every_taken_spec_compiles_for_sm90(tmp_path):
 
     smem = plan(_spec("causal"), "h100").target.smem_per_block
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for name, det in [(name, True) for name in TAKEN] + [("dense", False), ("causal", False), ("alibi", False)]:
+    # (and dense at head_dim 64: three consumer warpgroups)
+    for name, det in [(name, True) for name in TAKEN] + [("dense", False), ("causal", False), ("alibi", False), ("dense64", True)]:
         path = tmp_path / f"{name}_{det}_gluon.py"
-        path.write_text(build_source(plan_gluon(plan(_spec(name, deterministic=det), "h100")))[1])
+        spec = _spec("dense", head_dim=64) if name == "dense64" else _spec(name, deterministic=det)
+        gp = plan_gluon(plan(spec, "h100"))
+        path.write_text(build_source(gp)[1])
         run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path), "bf16", "fp16"], env=env,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
         lines = [json.loads(line) for line in run.stdout.splitlines()]
-        tails = ("", " varlen") if takes_packed(_spec(name)) else ("",)  # packed sequences where the spec takes them
+        tails = ("", " varlen") if takes_packed(spec) else ("",)  # packed sequences where the spec takes them
         kernels = [k + tail for tail in tails for k in ("_attn_fwd", "_attn_bwd", "_bwd_delta")]
-        if _spec(name).dropout:  # and with dropout compiled in
+        if spec.dropout:  # and with dropout compiled in
             kernels += [k + tail + " dropout" for k in ("_attn_fwd", "_attn_bwd") for tail in tails]
-        if plan_gluon(plan(_spec(name), "h100")).persistent:  # the forward's persistent form (calls of few keys)
-            kernels += ["_attn_fwd persistent"] + (["_attn_fwd persistent dropout"] if _spec(name).dropout else [])
-        if det and plan_gluon(plan(_spec(name), "h100")).bwd_persistent_max_keys:  # the backward's (head_dim 64: calls of few keys)
-            kernels += [f"_attn_bwd{tail} persistent" for tail in tails] + [f"_attn_bwd{tail} persistent dropout" for tail in tails if _spec(name).dropout]
+        if gp.persistent:  # the forward's persistent form (calls of few keys)
+            kernels += ["_attn_fwd persistent"] + (["_attn_fwd persistent dropout"] if spec.dropout else [])
+        if det and gp.bwd_persistent_max_keys:  # the backward's (head_dim 64: calls of few keys)
+            kernels += [f"_attn_bwd{tail} persistent" for tail in tails] + [f"_attn_bwd{tail} persistent dropout" for tail in tails if spec.dropout]
         assert sorted((r["kernel"], r["dtype"]) for r in lines) == sorted((k, t) for t in ("bf16", "fp16") for k in kernels)
         for r in lines:
             assert r["cubin_bytes"] > 0 and 0 <= r["shared"] <= smem, (name, r)
             if not r["kernel"].startswith("_bwd_delta"):
-                assert {"24", "240"} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"] and r["shared"] > 0, (name, r)
+                regs = str(gp.consumer_regs if r["kernel"].startswith("_attn_fwd") else gp.bwd_consumer_regs)  # (three consumers: 160)
+                assert {"24", regs} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"] and r["shared"] > 0, (name, r)
             if r["kernel"].startswith("_attn_fwd"):
-                assert r["spill_bytes"] == 0, (name, r)
+                # (three consumers at 160 registers: the persistent form keeps two of an item's values in local
+                # memory across its loop, 32 bytes, stored once an item and read at its end)
+                allowed = 32 if gp.consumers == 3 and "persistent" in r["kernel"] else 0
+                assert r["spill_bytes"] <= allowed, (name, r)
         bwd = [r for r in lines if r["kernel"].startswith("_attn_bwd")]
         counters = ["atom.global.gpu.acq_rel.add.u32", "red.release.gpu.global.add.s32"] if det else []  # ticket, turns
         assert all(r["atomics"] == counters and r["tma_reduce"] == ["cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group"]
@@ -526,6 +550,22 @@ def test_gluon_forward_matches_the_reference(name, device):
         inputs = verify.make_inputs(kern.spec, 2, 4, 777, 777, "cuda", torch.Generator().manual_seed(1))
         inputs |= {"seed": 5} if kern.spec.dropout else {}  # the same dropout pattern
         assert torch.equal(kern(q, k, v, **inputs), kern(q, k, v, **inputs))
+
+
+def test_three_consumer_warpgroups_match_the_reference(device):
+    """Dense at head_dim 64 (three consumer warpgroups in the forward, 192 rows a work item): within `attngen
+    check`'s budget on every CUDA shape, bf16 and fp16, the short ones through the persistent forward; packed
+    sequences as each sequence alone and against the reference (test_varlen's check)."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    from test_varlen import _check_packed
+
+    for dtype in (DType.BF16, DType.FP16):
+        kern = attngen.compile(_spec("dense", head_dim=64, dtype=dtype), backend="gluon")
+        assert kern.generator.gluon.consumers == 3
+        results = [verify.check_one(kern, shape, "cuda", seed=i) for i, shape in enumerate(verify.CUDA_SHAPES)]
+        assert all(r.ok for r in results), verify.format_table("dense d=64", results)
+    _check_packed(kern, device)
 
 
 @pytest.mark.parametrize("name", ["causal_dropout", "dense", "document"])

@@ -60,13 +60,14 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
         inputs = [torch.zeros([4] * ndim, dtype=TORCH_DTYPES[kind]) for _, kind, ndim in module.INPUTS]
         vt = torch.zeros(batch, kv_heads, d, -(-kv_len // 16) * 16, dtype=dtype)  # keys_contiguous(v)'s layout (only shapes matter)
         args = module.launch_args(q, k, vt, o, lse, *inputs)
-        return {"_attn_fwd": compile_kernel(module._attn_fwd, args, {"num_warps": 4, "maxnreg": module.MAXNREG})}
+        return {"_attn_fwd": compile_kernel(module._attn_fwd, args, {"num_warps": 4, "maxnreg": module.FWD_MAXNREG})}
     q = torch.empty(batch, heads, q_len, d, dtype=dtype)
     k = torch.empty(batch, kv_heads, kv_len, d, dtype=dtype)
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
     inputs = [torch.zeros([4] * ndim, dtype=TORCH_DTYPES[kind]) for _, kind, ndim in module.INPUTS]  # only their types matter
-    warps = {"num_warps": 4, "maxnreg": module.MAXNREG}
+    warps = {"num_warps": 4, "maxnreg": module.MAXNREG}  # the backward's
+    fwd_warps = {"num_warps": 4, "maxnreg": module.FWD_MAXNREG}
     dq = torch.empty(q.shape, dtype=torch.float32)
     # runtime block sparsity: lists of kept blocks (only their type matters); such specs take no packed sequences
     extra: dict = {"blocks": (torch.zeros(batch, heads, 2, 3, dtype=torch.int32),) * 2} if hasattr(module, "SPARSE_BLOCK") else {}
@@ -89,12 +90,12 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     kernels = {}
     if getattr(module, "PERSISTENT_FORWARD", False):  # the forward's persistent form (short calls, not packed)
         kernels["_attn_fwd persistent"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, persistent=True, **extra),
-                                                         warps | {"PERSISTENT": True})
+                                                         fwd_warps | {"PERSISTENT": True})
     # the backward's forms: a program per work item, and persistent (a program per SM) where calls take it
     bwd_forms = {"": {}} | ({" persistent": {"PERSISTENT": True}} if getattr(module, "PERSISTENT_BACKWARD_MAX_KEYS", 0) else {})
     for tail, (q_, k_, o_, dq_), packed in calls:
         flag = {"VARLEN": True} if packed else {}
-        kernels[f"_attn_fwd{tail}"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, **packed, **extra), warps | flag)
+        kernels[f"_attn_fwd{tail}"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, **packed, **extra), fwd_warps | flag)
         if backward:
             for form, on_form in bwd_forms.items():
                 kernels[f"_attn_bwd{tail}{form}"] = compile_kernel(module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_,
@@ -103,7 +104,7 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
                                                                                                     dq=dq_, **packed, **extra), {"num_warps": 4} | flag)
         if dropout is not None:
             kernels[f"_attn_fwd{tail} dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, dropout=dropout,
-                                                                                                       **packed, **extra), warps | flag | on)
+                                                                                                       **packed, **extra), fwd_warps | flag | on)
             for form, on_form in bwd_forms.items() if backward else ():
                 kernels[f"_attn_bwd{tail}{form} dropout"] = compile_kernel(
                     module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_, *inputs, dropout=dropout, **packed, **extra),
@@ -111,7 +112,7 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     if getattr(module, "PERSISTENT_FORWARD", False) and dropout is not None:
         kernels["_attn_fwd persistent dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, dropout=dropout,
                                                                                                       persistent=True, **extra),
-                                                                 warps | {"PERSISTENT": True} | on)
+                                                                 fwd_warps | {"PERSISTENT": True} | on)
     return kernels
 
 

@@ -28,6 +28,13 @@ BACKWARD_HEAD_DIMS = (64, 128)
 # per thread and ptxas spilled 1.5-4 KB and serialized the wgmmas at d=128 (compiled for sm_90, BENCHMARKS.md).
 M_PER_WARPGROUP = 64
 REGISTERS_PER_SM = 65536
+# Three consumer warpgroups (192 query rows a work item, FlashAttention-3's choice at head_dim 64) against two, the
+# forward alone on the H100 (benchmarks/ab_templates.py, bf16, d = 64, B*N = 16384; BENCHMARKS.md, 2026-11-27 session
+# 20; outputs bit-identical): dense 1.09x (4096 keys) and 1.13x (16384); causal 0.94x / 1.05x, ALiBi 0.84x / 0.95x,
+# prefix-LM 0.99x / 1.05x, a sliding window of 1024 0.65x / 0.87x. A work item's key range is its rows' union, and
+# at 192 rows more of its tiles are ones some warpgroup's rows do not see (computed, masked) or cut by the mask. So
+# three only where no mask, score modification or dropout is (each consumer then gets 160 registers, not 240).
+THREE_CONSUMERS_MAX_HEAD_DIM = 64
 LOAD_REGS = 24  # registers per thread the load warpgroup keeps (setmaxnreg.dec): it only issues TMA copies
 MAX_STAGES = 4
 # The forward's persistent form (a program per SM taking query tiles from a counter: a tile's Q loads under the last
@@ -113,6 +120,12 @@ class GluonPlan:
         return self.consumers * M_PER_WARPGROUP
 
     @property
+    def fwd_maxnreg(self) -> int:
+        """The forward's registers per thread at entry: its consumer warpgroups and the load warp's, padded to a
+        warpgroup, share the SM's registers."""
+        return REGISTERS_PER_SM // (128 * (self.consumers + 1)) // 8 * 8
+
+    @property
     def num_warps(self) -> int:
         """Warps of the default partition (the consumers)."""
         return 4 * self.consumers
@@ -168,8 +181,12 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     spec, tgt = base.spec, base.target
     d, isz = spec.head_dim, spec.dtype.itemsize
     steps = []
-    consumers = 2
-    steps.append(Step("consumer warpgroups", f"2 x {M_PER_WARPGROUP} query rows (one softmax under the other's products)", f"{consumers}"))
+    reads_inputs = _classes_read_inputs(base)
+    three = d <= THREE_CONSUMERS_MAX_HEAD_DIM and base.mask is None and base.score is None and not spec.dropout and spec.sparsity is None
+    consumers = 3 if three and spec.dtype is not DType.FP8 else 2
+    steps.append(Step("consumer warpgroups", f"{consumers} x {M_PER_WARPGROUP} query rows, in turn on the tensor cores (one's softmax under the "
+                                             f"others' products); three at head_dim <= {THREE_CONSUMERS_MAX_HEAD_DIM} with no mask, score "
+                                             "modification or dropout (measured 1.09-1.13x two there on the H100, 0.65-1.05x with masks or ALiBi)", f"{consumers}"))
     block_n = 128 if d <= 128 else 64
     steps.append(Step("BLOCK_N", "keys per tile: the wgmma's N (S: 64 x 128 float32 = 64 registers per thread; at head_dim > 128, 64 keys: "
                                  "O takes d / 2 registers per thread and a K+V stage 4 d BLOCK_N bytes)", f"{block_n}"))
@@ -197,8 +214,8 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     steps.append(Step("key tiles visited", "a block pattern (sparsity = ...) leaves holes: only those not proved empty" if skip_empty else
                       "the range from the first to the last not proved empty (no holes in it: no branch)",
                       "not proved empty" if skip_empty else "range"))
-    reads_inputs = _classes_read_inputs(base)
-    bwd = _plan_backward(base, consumer_regs, reads_inputs) if d in BACKWARD_HEAD_DIMS else {"has_backward": False}
+    bwd_regs = min(240, (REGISTERS_PER_SM // 128 - LOAD_REGS) // 2 // 8 * 8)  # the backward's two consumer warpgroups
+    bwd = _plan_backward(base, bwd_regs, reads_inputs) if d in BACKWARD_HEAD_DIMS else {"has_backward": False}
     piece = 0
     tiles = (consumers * M_PER_WARPGROUP, block_n, bwd.get("bwd_block_m", 0), bwd.get("bwd_block_n", 0))
     if isinstance(spec.sparsity, Expr) and base.classify and max(tiles) > spec.sparse_block:
