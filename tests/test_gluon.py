@@ -166,6 +166,17 @@ def test_plan_sizes_the_ring_from_shared_memory():
         assert gp.fwd_maxnreg * 128 * 3 <= 65536 and "consumers 240 (maxnreg 168 at entry)" in render(gp)
 
 
+def test_which_specs_take_the_persistent_forward():
+    """The persistent forward (calls of at most 4096 keys) where no input is read by the mask or at a position by
+    the score: ALiBi's slopes[h] take it, a bias table read at q_idx - kv_idx, a document mask, prefix-LM's
+    prefix[b] (read by the mask) and runtime block sparsity do not."""
+    takes = {name: plan_gluon(plan(_spec(name), "h100")).persistent
+             for name in ("causal", "dense", "alibi", "relative_bias", "document", "prefix_lm", "block_sparse_runtime")}
+    assert takes == {"causal": True, "dense": True, "alibi": True, "relative_bias": False, "document": False, "prefix_lm": False,
+                     "block_sparse_runtime": False}
+    assert not plan_gluon(plan(load_spec(KEY_BIAS), "h100")).persistent and plan_gluon(plan(load_spec(SLOPE_BIAS), "h100")).persistent
+
+
 def test_three_consumer_warpgroups_where_no_mask_or_score_is():
     """head_dim 64 with no mask, score modification or dropout: three consumer warpgroups of 64 rows (192 a work
     item), 160 registers each, the ring of the Q tiles that leave room; masked, biased or dropped-out specs and
@@ -432,6 +443,7 @@ def test_a_separable_bias_compiles_for_sm90(name, deterministic, tmp_path):
     path = tmp_path / f"{name}_{deterministic}_gluon.py"
     spec = dataclasses.replace(load_spec(BIASES[name]), deterministic=deterministic)
     gp = plan_gluon(plan(spec, "h100"))
+    # (key_bias reads an input at a position: no persistent forward; slope_bias reads none)
     assert gp.persistent == (name == "slope_bias") and (gp.bwd_persistent_max_keys > 0) == deterministic
     path.write_text(build_source(gp)[1])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

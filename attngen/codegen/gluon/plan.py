@@ -196,14 +196,21 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     stages = min(MAX_STAGES, (smem - q_bytes) // stage_bytes)
     steps.append(Step("ring stages", f"min({MAX_STAGES}, (smem {smem} - Q tiles {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages}"))
     skips = isinstance(spec.sparsity, Expr) and base.classify  # a block pattern: the visited tiles have holes
-    # (declared inputs, head_dim 256 and block patterns: the load warp, which keeps 24 registers, spilled in the
-    # persistent form, compiled for sm_90; none of them measured)
-    persistent = spec.dtype is not DType.FP8 and spec.sparsity != "runtime" and not spec.inputs and d <= 128 and not skips
+    # (declared inputs the mask reads, head_dim 256 and block patterns: the load warp, which keeps 24 registers,
+    # spilled in the persistent form, compiled for sm_90; none of them measured. Inputs the score alone reads: with
+    # ALiBi's slopes[h] the persistent form measured 1.02-1.07x a program per tile at 1024-4096 keys, with a bias
+    # table read at q_idx - kv_idx 0.75-0.92x (BENCHMARKS.md, 2026-11-27 session 20): taken for reads of neither
+    # index only)
+    index_reads = any(ex.variables(i) & {"q_idx", "kv_idx"} for i in ex.input_reads(base.score))
+    mask_reads = base.mask is not None and bool(ex.input_reads(base.mask))
+    persistent = (spec.dtype is not DType.FP8 and spec.sparsity != "runtime" and not mask_reads and not index_reads and d <= 128
+                  and not skips)
     persistent_stages = min(MAX_STAGES, (smem - 2 * q_bytes) // stage_bytes)
     steps.append(Step("persistent forward", f"calls of <= {PERSISTENT_MAX_KEYS} keys: a program per SM takes query tiles from a counter, the next "
                                             f"one's Q loading under the last one's end, O stored from a tile of its own; its ring: min({MAX_STAGES}, "
-                                            f"(smem - Q and O tiles {2 * q_bytes}) // {stage_bytes}) (not for FP8, runtime block sparsity, declared "
-                                            "inputs, block patterns, head_dim 256; packed sequences: a program per tile)",
+                                            f"(smem - Q and O tiles {2 * q_bytes}) // {stage_bytes}) (not for FP8, runtime block sparsity, inputs the "
+                                            "mask reads or the score reads at a position, block patterns, head_dim 256; packed sequences: a program "
+                                            "per tile)",
                       f"{persistent_stages} stages" if persistent else "none"))
     threads = 32 * 4 * (consumers + 1)
     cap = REGISTERS_PER_SM // threads // 8 * 8
