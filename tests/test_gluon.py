@@ -428,6 +428,8 @@ def test_a_separable_bias_is_added_as_a_key_part():
     assert "in_slopes_ptr" in delta and "lse -= (" in unordered
     keyed = render(plan_gluon(plan(load_spec(KEY_BIAS), "h100")))
     assert "bias_step" not in keyed and "s = qk * QK_SCALE_LOG2 + (" in keyed and "fbias_pos_" in keyed
+    for spec in (load_spec(BIASES[name]) for name in BIASES):  # (with dQ in no fixed order: with inputs or none)
+        compile(render(plan_gluon(plan(dataclasses.replace(spec, deterministic=False), "h100"))), spec.name, "exec")
     softcap = render(plan_gluon(plan(_spec("causal_softcap"), "h100")))
     assert "q_ref" not in softcap and "bias_key" not in softcap
 
