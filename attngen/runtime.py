@@ -402,7 +402,8 @@ class Kernel:
                 raise InputError(f"{name} is on {cu.device}, q on {q.device}")
         if cu_q.numel() != cu_k.numel():
             raise InputError(f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: one more than the number of sequences each")
-        capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        # (not asked while torch.compile traces: dynamo cannot put a bool from torch.cuda into its graph, found on the H100)
+        capturing = not compiling and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         lengths = {}
         for name, cu, total, given in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
             if given is not None and (not isinstance(given, (int, torch.SymInt)) or isinstance(given, bool) or given < 0):

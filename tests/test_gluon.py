@@ -460,7 +460,7 @@ def test_a_separable_bias_compiles_for_sm90(name, deterministic, tmp_path):
     assert lines["_attn_fwd"]["spill_bytes"] == 0 and lines["_bwd_delta"]["cubin_bytes"] > 0
 
 
-@pytest.mark.parametrize("name, deterministic", [("key_bias", True), ("key_bias", False), ("slope_bias", True)])
+@pytest.mark.parametrize("name, deterministic", [("key_bias", True), ("key_bias", False), ("slope_bias", True), ("slope_bias", False)])
 def test_a_separable_bias_matches_the_reference(name, deterministic, device):
     """BIASES through both Gluon passes within `attngen check`'s budget on every CUDA shape (the lse included,
     which holds the row part; slope_bias's short calls through the persistent forms), bf16."""
