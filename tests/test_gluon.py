@@ -432,6 +432,10 @@ def test_a_separable_bias_is_added_as_a_key_part():
         compile(render(plan_gluon(plan(dataclasses.replace(spec, deterministic=False), "h100"))), spec.name, "exec")
     softcap = render(plan_gluon(plan(_spec("causal_softcap"), "h100")))
     assert "q_ref" not in softcap and "bias_key" not in softcap
+    # and `attngen plan` says which way each goes
+    steps = {name: {st.what: st.value for st in plan_gluon(plan(_spec(name), "h100")).steps} for name in ("alibi", "causal_softcap", "causal")}
+    assert steps["alibi"]["score modification"] == "separable bias" and steps["causal_softcap"]["score modification"] == "per score"
+    assert "score modification" not in steps["causal"]
 
 
 @pytest.mark.slow  # triton.compile for sm_90 in a subprocess: about 1 min each on 2 cores

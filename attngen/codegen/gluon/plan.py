@@ -17,7 +17,7 @@ from ...expr import FLOAT_POSITIONS
 from ...intervals import TileClass, classify_tiles, lower_tile_class
 from ...plan import KernelPlan, Step
 from ...spec import DType, Expr, KVLayout, LoopOrder, Spec
-from ..lowering import converts_positions
+from ..lowering import bias_of, converts_positions, key_part_affine
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
 HEAD_DIMS = (64, 128, 256)  # the head dims its forward is written for (wgmma's K step is 16)
@@ -221,6 +221,13 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     steps.append(Step("key tiles visited", "a block pattern (sparsity = ...) leaves holes: only those not proved empty" if skip_empty else
                       "the range from the first to the last not proved empty (no holes in it: no branch)",
                       "not proved empty" if skip_empty else "range"))
+    if base.score is not None:  # how the kernels compute the score modification (render.py: its code)
+        if bias_of(base) is None:
+            steps.append(Step("score modification", "computed score by score (no separable bias: expr.separable_bias)", "per score"))
+        else:
+            how = "a tile's first key's value plus a vector of offsets made once an item" if key_part_affine(base) else "key by key"
+            steps.append(Step("score modification", f"score + L, L a sum of a row's and a key's terms: the key part L(r, kv_idx) added per key "
+                                                     f"({how}), the row part in the lse (a row's softmax ignores a constant)", "separable bias"))
     bwd_regs = min(240, (REGISTERS_PER_SM // 128 - LOAD_REGS) // 2 // 8 * 8)  # the backward's two consumer warpgroups
     bwd = _plan_backward(base, bwd_regs, reads_inputs) if d in BACKWARD_HEAD_DIMS else {"has_backward": False}
     piece = 0
