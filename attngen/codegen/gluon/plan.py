@@ -121,14 +121,8 @@ class GluonPlan:
 
     @property
     def fwd_maxnreg(self) -> int:
-        """The forward's registers per thread at entry: its consumer warpgroups and the load warp's, padded to a
-        warpgroup, share the SM's registers."""
-        return REGISTERS_PER_SM // (128 * (self.consumers + 1)) // 8 * 8
-
-    @property
-    def num_warps(self) -> int:
-        """Warps of the default partition (the consumers)."""
-        return 4 * self.consumers
+        """The forward's registers per thread at entry (entry_regs)."""
+        return entry_regs(self.consumers)
 
     def describe(self) -> str:
         width = max(len(s.what) for s in self.steps)
@@ -176,6 +170,17 @@ def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
     return why
 
 
+def entry_regs(consumers: int) -> int:
+    """Registers per thread at a kernel's entry (its maxnreg): the consumer warpgroups and the load warp's, padded
+    to a warpgroup, share the SM's registers."""
+    return REGISTERS_PER_SM // (128 * (consumers + 1)) // 8 * 8
+
+
+def consumer_regs_of(consumers: int) -> int:
+    """What each consumer warpgroup raises its registers to (setmaxnreg) once the load warpgroup keeps LOAD_REGS."""
+    return min(240, (REGISTERS_PER_SM // 128 - LOAD_REGS) // consumers // 8 * 8)
+
+
 def plan_gluon(base: KernelPlan) -> GluonPlan:
     """The schedule's sizes for a spec the generator supports (see `unsupported`)."""
     spec, tgt = base.spec, base.target
@@ -213,8 +218,8 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
                                             "per tile)",
                       f"{persistent_stages} stages" if persistent else "none"))
     threads = 32 * 4 * (consumers + 1)
-    cap = REGISTERS_PER_SM // threads // 8 * 8
-    consumer_regs = min(240, (REGISTERS_PER_SM // 128 - LOAD_REGS) // consumers // 8 * 8)
+    cap = entry_regs(consumers)
+    consumer_regs = consumer_regs_of(consumers)
     steps.append(Step("registers", f"{REGISTERS_PER_SM} / {threads} threads = {cap} at entry; load keeps {LOAD_REGS}, consumers get "
                                    f"min(240, ({REGISTERS_PER_SM // 128} - {LOAD_REGS}) / {consumers})", f"{consumer_regs}"))
     skip_empty = isinstance(spec.sparsity, Expr) and base.classify
@@ -228,8 +233,8 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
             how = "a tile's first key's value plus a vector of offsets made once an item" if key_part_affine(base) else "key by key"
             steps.append(Step("score modification", f"score + L, L a sum of a row's and a key's terms: the key part L(r, kv_idx) added per key "
                                                      f"({how}), the row part in the lse (a row's softmax ignores a constant)", "separable bias"))
-    bwd_regs = min(240, (REGISTERS_PER_SM // 128 - LOAD_REGS) // 2 // 8 * 8)  # the backward's two consumer warpgroups
-    bwd = _plan_backward(base, bwd_regs, reads_inputs) if d in BACKWARD_HEAD_DIMS else {"has_backward": False}
+    # (the backward's two consumer warpgroups)
+    bwd = _plan_backward(base, consumer_regs_of(2), reads_inputs) if d in BACKWARD_HEAD_DIMS else {"has_backward": False}
     piece = 0
     tiles = (consumers * M_PER_WARPGROUP, block_n, bwd.get("bwd_block_m", 0), bwd.get("bwd_block_n", 0))
     if isinstance(spec.sparsity, Expr) and base.classify and max(tiles) > spec.sparse_block:

@@ -13,7 +13,7 @@ from .. import Templates, versions
 from ..lowering import BiasCode, KernelCode, bias_of, key_part_affine, lower_bias, lower_for_kernel
 from .lower import helpers as gluon_helpers
 from .lower import translate
-from .plan import M_PER_WARPGROUP, REGISTERS_PER_SM, GluonPlan
+from .plan import M_PER_WARPGROUP, GluonPlan, entry_regs
 
 LOG2E = 1.4426950408889634
 # The input pre-pass's chunk for the Gluon kernels' tiles (64 or 128 indices, starting at multiples of 64 outside a
@@ -77,7 +77,7 @@ def context(gp: GluonPlan) -> dict:
         "plan": plan,
         "gp": gp,
         "m_per_wg": M_PER_WARPGROUP,
-        "maxnreg": REGISTERS_PER_SM // (3 * 128) // 8 * 8,
+        "maxnreg": entry_regs(2),  # the backward's (two consumer warpgroups); the forward's: gp.fwd_maxnreg
         "scale": repr(float(plan.scale)),
         "qk_scale_log2": repr(float(plan.scale) * LOG2E),
         "has_mask": plan.mask is not None,
