@@ -96,21 +96,66 @@ class Launcher:
         direct(grid, tensors, driver.active.get_current_stream(device))
         return direct.kernel
 
+    def bind(self, known, grid, recipe: Recipe, **kwargs) -> BoundLaunch:
+        """launch_recipe(known, grid, recipe, tensors, **kwargs) as a function of the tensors alone, for a generated
+        module to keep beside a call signature's recipe (BoundLaunch)."""
+        return BoundLaunch(self, known, grid, recipe, kwargs)
+
     def _know(self, key: tuple, found: tuple) -> None:
         if len(self.known) >= KEPT_CALLS:  # many signatures (lengths varying call by call): start again
             self.known.clear()
         self.known[key] = found
 
 
+class BoundLaunch:
+    """One call signature's launch (Launcher.bind): `bound(tensors)` is `launcher.launch_recipe(known, grid, recipe,
+    tensors, **kwargs)`. Once that has made the direct form (_DirectLaunch) it is kept here and called with no key
+    built or looked up per call, for as long as the module's kernel is the one it was made from, no launch hook
+    is set and the current device is the one it was made on; otherwise the call goes through launch_recipe. (A
+    launch of a training layer's backward spent a few microseconds of the H100 host's time building and hashing
+    the signature's key, twice per call.)"""
+
+    __slots__ = ("launcher", "known", "grid", "recipe", "kwargs", "direct", "fn", "device")
+
+    def __init__(self, launcher: Launcher, known, grid, recipe: Recipe, kwargs: dict):
+        self.launcher, self.known, self.grid, self.recipe, self.kwargs = launcher, known, grid, recipe, kwargs
+        self.direct = self.fn = self.device = None
+
+    def __call__(self, tensors: tuple) -> None:
+        launcher = self.launcher
+        fn = launcher.namespace[launcher.name]
+        if self.direct is not None and fn is self.fn and not _hooked():
+            device = driver.active.get_current_device()
+            if device == self.device:
+                self.direct(self.grid, tensors, driver.active.get_current_stream(device))
+                return
+        launcher.launch_recipe(self.known, self.grid, self.recipe, tensors, **self.kwargs)
+        self.direct = None
+        if not _through_jit(fn):
+            device = driver.active.get_current_device()
+            direct = launcher.direct.get((device, self.known, *self.kwargs.items()))
+            if direct:
+                self.direct, self.fn, self.device = direct, fn, device
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (a profiler: launches then go through the JIT, which calls it)."""
+    hooks = triton.knobs.runtime
+    return bool(hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls)
+
+
 def _through_jit(fn) -> bool:
     """Whether a launch of `fn` goes through `fn[grid](...)`: where it is not a JITFunction (Triton's interpreter, a
     bundle's recorder) or a launch hook is set (a profiler: the JIT calls it)."""
-    hooks = triton.knobs.runtime
-    return not isinstance(fn, triton.runtime.JITFunction) or bool(hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls)
+    return not isinstance(fn, triton.runtime.JITFunction) or _hooked()
 
 
 # how many call signatures a Launcher's `known` and a module's recipes keep before starting again
 KEPT_CALLS = 4096
+# how many tensor maps a direct launch keeps (by descriptor slot and address) before starting again: a training
+# loop's activations come back at the same addresses step after step (PyTorch's caching allocator), and encoding a
+# map is a driver call per descriptor per launch (cuTensorMapEncodeTiled: eight in a backward launch)
+KEPT_MAPS = 256
 
 
 class Recipe:
@@ -154,10 +199,13 @@ class _DirectLaunch:
     behind CudaLauncher) takes: its base arguments, then each kernel argument, a TMA descriptor expanded to its
     encoded tensor map, shape and strides (what triton.backends.nvidia.driver's wrap_handle_tensordesc and
     make_tensordesc_arg do per call). Everything but the call's tensors and their tensor maps is made once: the
-    call fills a copy of that list. (On the H100's host Triton's Python around the C launch, descriptors included,
-    took about 30 us a launch.) tests/test_launch.py checks the list against Triton's own path."""
+    call fills a copy of that list. A tensor map is encoded once per descriptor slot and address: the rest of
+    what it encodes is the recipe's, so the bytes are the same for every call at that address, and a training
+    loop's tensors come back at the same addresses step after step. (On the H100's host Triton's Python around
+    the C launch, descriptors included, took about 30 us a launch.) tests/test_launch.py checks the list against
+    Triton's own path."""
 
-    __slots__ = ("kernel", "raw", "template", "tensor_slots", "desc_slots", "fill", "coop", "pdl")
+    __slots__ = ("kernel", "raw", "template", "tensor_slots", "desc_slots", "fill", "coop", "pdl", "maps")
 
     @classmethod
     def of(cls, kernel, rest: tuple, recipe: Recipe) -> "_DirectLaunch | None":
@@ -198,14 +246,22 @@ class _DirectLaunch:
             else:  # a descriptor where the kernel takes none
                 return None
         self.template, self.tensor_slots, self.desc_slots = template, tuple(tensor_slots), tuple(desc_slots)
+        self.maps = {}
         return self
 
     def __call__(self, grid, tensors: tuple, stream: int) -> None:
         args = self.template.copy()
         for at, place in self.tensor_slots:
             args[at] = tensors[place]
+        maps = self.maps  # a descriptor slot's tensor map by address: everything else it encodes is the slot's
         for at, place, encoding in self.desc_slots:
-            args[at] = self.fill(tensors[place].data_ptr(), *encoding)
+            address = tensors[place].data_ptr()
+            found = maps.get((at, address))
+            if found is None:
+                if len(maps) >= KEPT_MAPS:
+                    maps.clear()
+                found = maps[at, address] = self.fill(address, *encoding)
+            args[at] = found
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         kernel = self.kernel
         self.raw(grid_x, grid_y, grid_z, stream, kernel.function, self.coop, self.pdl, None, None, kernel.packed_metadata, None, None, None,

@@ -6,9 +6,9 @@ import dataclasses
 import functools
 import os
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,8 +39,10 @@ from .tune import bucket as tune_bucket
 LN2 = 0.6931471805599453
 
 
-@dataclass(frozen=True)
-class _Dims:
+class _Dims(NamedTuple):
+    """A call's sizes (a named tuple: made at every call, where a frozen dataclass's construction cost a few
+    microseconds of host time)."""
+
     batch: int
     heads: int
     kv_heads: int
@@ -253,7 +255,8 @@ class Kernel:
         elif not grad:
             o, lse2 = self._forward_impl(q, k, v, tensors, p, seed_t, block_mask, varlen)  # nothing to differentiate: no autograd node
         else:
-            o, lse2 = _AttentionFunction.apply(self, p, seed_t, block_mask, varlen, q, k, v, *tensors)
+            options = None if seed_t is None and block_mask is None and varlen is None else (p, seed_t, block_mask, varlen)
+            o, lse2 = _AttentionFunction.apply(self, options, q, k, v, *tensors)
         if varlen is not None:  # back to the packed layout: O (total_q, Hq, D), lse (Hq, total_q)
             # (squeeze, not [0]: select's gradient is a zero-filled copy, and dO would then reach the backward laid
             # out by heads, copied again there; squeeze's is a view of the caller's dO)
@@ -423,22 +426,23 @@ class Kernel:
     def _forward_impl(self, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask, varlen=None, descales=None):
         """O and the lse in log2 units: what every call runs, eager or compiled (the tensors are checked).
         varlen: packed sequences (see _varlen). descales: FP8's, in attngen.fp8.descale_blocks' layout."""
-        check_device(q.device, self.module)
+        device = q.device
+        check_device(device, self.module)
         dims = _dims_of(q, k, varlen)
         out_dtype = torch.bfloat16 if self.spec.dtype is DType.FP8 else q.dtype
         if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
             o = q.new_zeros(q.shape, dtype=out_dtype) if varlen is not None else empty_like_layout(q, dtype=out_dtype).zero_()
-            return o, torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
-        if descales is not None and q.device.type == "cpu":
+            return o, torch.full(q.shape[:3], float("-inf"), device=device, dtype=torch.float32)
+        if descales is not None and device.type == "cpu":
             # Triton 3.6's interpreter rounds float32 to e4m3 wrongly where rounding carries into the exponent (0.4917
             # becomes 0.25): on the CPU an FP8 call runs the float32 kernels on the dequantized inputs (P unrounded),
             # its O rounded to bf16
             deq = (fp8.dequantize(q, descales[0]), fp8.dequantize(k, descales[1]), fp8.dequantize(v, descales[2], per_block=False))
             o, lse = self._twin()._forward_impl(*deq, _up(*inputs), dropout_p, seed, block_mask)
             return o.to(torch.bfloat16), lse
-        if self.generator.forward_at(dims.kv_len) == "gluon" and _is_sm90(q.device):  # the Gluon generator's forward
+        if self.generator.forward_at(dims.kv_len) == "gluon" and _is_sm90(device):  # the Gluon generator's forward
             fp8_scales = {} if descales is None else {"descales": descales}
-            return self.gluon.attention_forward(q, k, v, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device), varlen=varlen,
+            return self.gluon.attention_forward(q, k, v, *inputs, **self._extra(dropout_p, seed, block_mask, dims, device), varlen=varlen,
                                                 **fp8_scales)
         if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
             o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask, varlen)
@@ -460,14 +464,15 @@ class Kernel:
         if dims.empty:
             dq, dk, dv = (torch.zeros_like(t) if varlen is not None else empty_like_layout(t).zero_() for t in (q, k, v))
             return dq, dk, dv, [torch.zeros_like(t) if input_grads else t.new_empty(0) for t in floats]
-        if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
+        device = q.device
+        if device.type == "cpu" and self.spec.dtype is DType.BF16:
             dq, dk, dv, grads = self._twin()._backward_impl(*_up(q, k, v, o), lse, *_up(do), dlse, _up(*inputs), dropout_p, seed,
                                                              block_mask, input_grads, varlen)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
-        if self._gluon_backward(dims.q_len, dims.kv_len) and not input_grads and _is_sm90(q.device):
+        if self._gluon_backward(dims.q_len, dims.kv_len) and not input_grads and _is_sm90(device):
             # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py; packed sequences by
             # their longest keys); input gradients are the Triton kernels'
-            dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **self._extra(dropout_p, seed, block_mask, dims, q.device),
+            dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **self._extra(dropout_p, seed, block_mask, dims, device),
                                                        varlen=varlen)
             return dq, dk, dv, [t.new_empty(0) for t in floats]
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
@@ -751,27 +756,34 @@ def _as_input_grads(inputs, grads: list, wanted) -> tuple:
 class _AttentionFunction(torch.autograd.Function):
     """An eager call: a few microseconds of dispatch (a torch.library custom op with autograd cost ~55 us more per
     call on the 2-core CPU machine, so the ops serve torch.compile only; both run Kernel._forward_impl and
-    _backward_impl)."""
+    _backward_impl). `options`: (dropout_p, seed, block_mask, varlen), or None for none of them (a plain call:
+    fewer arguments for autograd to pass over)."""
 
     @staticmethod
-    def forward(ctx, kernel: Kernel, dropout_p: float, seed, block_mask, varlen, q, k, v, *inputs):
+    def forward(ctx, kernel: Kernel, options, q, k, v, *inputs):
         ctx.set_materialize_grads(False)
-        o, lse = kernel._forward_impl(q, k, v, inputs, dropout_p, seed, block_mask, varlen)
-        ctx.kernel, ctx.dropout_p, ctx.seed, ctx.block_mask, ctx.varlen = kernel, dropout_p, seed, block_mask, varlen
+        o, lse = kernel._forward_impl(q, k, v, inputs, *(options or _PLAIN))
+        ctx.kernel, ctx.options = kernel, options or _PLAIN
         ctx.save_for_backward(q, k, v, o, lse, *inputs)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, *inputs = ctx.saved_tensors
-        wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[8:], inputs)]
         if do is None and dlse is None:
-            return (None,) * 5 + (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
+            return (None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, ctx.seed, ctx.block_mask,
-                                                      any(wanted), ctx.varlen)
-        return (None,) * 5 + (dq, dk, dv) + _as_input_grads(inputs, grads, wanted)
+        dropout_p, seed, block_mask, varlen = ctx.options
+        if not inputs:
+            dq, dk, dv, _ = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, (), dropout_p, seed, block_mask, False, varlen)
+            return None, None, dq, dk, dv
+        wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[5:], inputs)]
+        dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, any(wanted), varlen)
+        return (None, None, dq, dk, dv) + _as_input_grads(inputs, grads, wanted)
+
+
+_PLAIN = (0.0, None, None, None)  # _AttentionFunction's options of a plain call
 
 
 class _Ops:

@@ -220,8 +220,11 @@ def test_a_direct_launch_passes_what_triton_s_launcher_would(monkeypatch):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    encode = lambda ptr, swizzle, size, dtype, block, shape, strides, padding: ("map", ptr, swizzle, size, dtype, tuple(block), tuple(shape),
-                                                                               tuple(strides), padding)
+    encoded = []  # the addresses the stand-in encoder was asked for
+
+    def encode(ptr, swizzle, size, dtype, block, shape, strides, padding):
+        encoded.append(ptr)
+        return ("map", ptr, swizzle, size, dtype, tuple(block), tuple(shape), tuple(strides), padding)
     monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(utils=SimpleNamespace(fill_tma_descriptor=encode)))
     received = []
     signature = {0: "tensordesc<bf16[1,64,128]>", 1: "*bf16", 2: "i32", 3: "tensordesc<fp32[64,32]>", 4: "*fp32", 5: "constexpr", 6: "i1",
@@ -247,15 +250,69 @@ def test_a_direct_launch_passes_what_triton_s_launcher_would(monkeypatch):
     recipe = launch.Recipe(args(*first), first)
     rest = (16, True, 5)  # a constexpr's value, a flag, a default
     direct = launch._DirectLaunch.of(kernel, rest, recipe)
-    for call in (first, tensors()):
+    second = tensors()
+    for call in (first, second, first, second):  # the maps of a call's addresses encoded once: the same arguments again
         kernel.run(3, 2, 1, 77, kernel.function, kernel.packed_metadata, None, None, None, *recipe.args(call), *rest)
         direct((3, 2), call, 77)
         triton_args, direct_args = received[-2:]
         assert len(triton_args) == len(direct_args) == 13 + 7 + 1 + 1 + 5 + 1 + 3  # base, q's map shape strides, q, 33, s's, s, rest
         assert all(a is b if isinstance(b, torch.Tensor) else a == b for a, b in zip(direct_args, triton_args)), (direct_args, triton_args)
         assert direct_args[13][:2] == ("map", call[0].data_ptr()) and direct_args[20] is call[0]  # the map of this call's q, then q
+    # Triton's path encoded both maps at each of the four calls, the direct launch at the first two only
+    assert encoded.count(first[0].data_ptr()) == 2 + 1 and encoded.count(second[1].data_ptr()) == 2 + 1 and len(encoded) == 4 * 2 + 2 * 2
     run.global_scratch_size = 64
     assert launch._DirectLaunch.of(kernel, rest, recipe) is None  # Triton allocates scratch per launch: not here
     run.global_scratch_size = 0
     run.launch = nv.wrap_handle_tensordesc(lambda *args: received.append(args), signature, [None, None])
     assert launch._DirectLaunch.of(kernel, rest, recipe) is None  # descriptors passed as their parts: not here
+
+
+def test_a_bound_launch_keeps_the_direct_form_while_it_holds(monkeypatch):
+    """Launcher.bind: a generated module's launch for one call signature. Its first call goes through
+    launch_recipe (the JIT, which compiles or finds the kernel, then the direct form); later ones call the direct
+    form with the call's tensors, on the current stream, with nothing looked up; with a launch hook set, another
+    kernel in the module (a bundle's recorder) or another current device, launch_recipe again."""
+    directs = []
+
+    class Direct:  # the direct form's stand-in: records (grid, tensors, stream)
+        def __init__(self):
+            self.calls, self.kernel = [], None
+            directs.append(self)
+
+        def __call__(self, grid, tensors, stream):
+            self.calls.append((grid, tensors, stream))
+
+    device = [0]
+    driver = type("Driver", (), {"active": type("Active", (), {"get_current_device": staticmethod(lambda: device[0]),
+                                                                 "get_current_stream": staticmethod(lambda d: 1000 + d)})})
+    monkeypatch.setattr(launch, "driver", driver)
+    monkeypatch.setattr(launch._DirectLaunch, "of", classmethod(lambda cls, kernel, rest, recipe: Direct()))
+    namespace = {"_k": _Jit()}
+    jit = namespace["_k"]
+    launcher = launch.Launcher(namespace, "_k", num_warps=4)
+    x, y = torch.zeros(64), torch.zeros(64)
+    bound = launcher.bind("signature", (5, 2), launch.Recipe((x, 200), (x,)), BLOCK=64)
+    bound((x,))  # the first call: the JIT, then the direct form is made
+    assert len(jit.calls) == 1 and len(directs) == 1 and directs[0].calls == []
+    bound((y,))
+    bound((x,))
+    assert len(jit.calls) == 1 and directs[0].calls == [((5, 2), (y,), 1000), ((5, 2), (x,), 1000)]
+    hooks = triton.knobs.runtime.launch_enter_hook
+    hooks.add(print)  # a profiler's hook: through the JIT, which calls it
+    try:
+        bound((y,))
+    finally:
+        hooks.remove(print)
+    assert len(jit.calls) == 2 and jit.calls[-1][1] == (y, 200) and len(directs[0].calls) == 2
+    bound((x,))  # no hook: the direct form again (made once)
+    assert len(jit.calls) == 2 and len(directs) == 1 and directs[0].calls[-1] == ((5, 2), (x,), 1000)
+    recorded = []
+    namespace["_k"] = type("Recorder", (), {"__getitem__": lambda self, grid: lambda *a, **k: recorded.append((grid, a, k))})()
+    bound((y,))  # a stand-in put in the module is what runs
+    assert recorded == [((5, 2), (y, 200), {"num_warps": 4, "BLOCK": 64})] and len(directs[0].calls) == 3
+    namespace["_k"] = jit
+    device[0] = 1  # another current device: its own kernel (the JIT), then its own direct form
+    bound((x,))
+    assert len(jit.calls) == 3 and len(directs) == 2
+    bound((y,))
+    assert directs[1].calls == [((5, 2), (y,), 1001)] and len(directs[0].calls) == 3
