@@ -412,17 +412,27 @@ BIASES = {"key_bias": KEY_BIAS, "slope_bias": SLOPE_BIAS}
 
 
 def test_a_separable_bias_is_added_as_a_key_part():
-    """ALiBi (expr.separable_bias): the forward adds its key part as the tile's first key's value plus a vector of
-    offsets made once an item, and its row part to the lse; the backward adds the key part of its query tile's
-    first row, the pre-pass takes the row part off the lse (with dQ in no fixed order too, whose pre-pass then
-    takes the inputs); no score pays a position's conversion. A key part that is not affine goes key by key;
-    softcap's tanh is no bias."""
-    src = render(plan_gluon(plan(_spec("alibi"), "h100")))
-    assert "bias_step = (" in src and "_softmax_step(qk, m_i, l_i, q_idx, q_ref, bias_step, j, full," in src
+    """ALiBi (expr.separable_bias): the forward adds its key part's offsets in a tile by the tensor cores at head_dim
+    64 (a product of ones and a tile of the offsets, chained onto Q K^T; the tile's first key's value in each row's
+    maximum), at 128 as the tile's first key's value plus a vector of offsets made once an item, and its row part
+    to the lse; the backward adds the key part of its query tile's first row, the pre-pass takes the row part off
+    the lse (with dQ in no fixed order too, whose pre-pass then takes the inputs); no score pays a position's
+    conversion or (d = 64) an addition. A key part that is not affine goes key by key; softcap's tanh is no bias."""
+    gp = plan_gluon(plan(_spec("alibi"), "h100"))
+    assert gp.base.spec.head_dim == 64 and gp.bias_mma
+    src = render(gp)
+    assert "bias_step" not in src and "_softmax_step(qk, m_i, l_i, q_idx, q_ref, j, full," in src
+    assert src.count("qk = warpgroup_mma(ones, bias_tile.permute((1, 0)), qk, is_async=True)") == 2  # the first tile and the loop's
+    assert "bias_tile.store(" in src and "ones = gl.full([M_PER_WG, BIAS_K], 1.0, dtype" in src
     assert "m_i + gl.log2(l_safe) + (" in src and "lse -= (" in src and "s = s_t * QK_SCALE_LOG2 + bias_key" in src
     step = src.split("def _softmax_step(")[1].split("\n\n\n")[0]
     assert "(q_ref - j * BLOCK_N).to(gl.float32)" in step and "kv_idx).to(" not in step  # a conversion per tile, none per key
+    assert "    s = qk\n" in step and "gl.expand_dims(m_use - tile_bias, 1)" in step  # nothing added per score
     assert "_position_f32" not in src and "(q_idx - kv_idx).to(" not in src
+    wide = plan_gluon(plan(_spec("alibi", head_dim=128), "h100"))
+    src = render(wide)
+    assert not wide.bias_mma and "bias_tile" not in src and "BIAS_K" not in src
+    assert "bias_step = (" in src and "_softmax_step(qk, m_i, l_i, q_idx, q_ref, bias_step, j, full," in src
     unordered = render(plan_gluon(plan(_spec("alibi", deterministic=False), "h100")))
     delta = unordered.split("def _bwd_delta(")[1].split(")")[0]
     assert "in_slopes_ptr" in delta and "lse -= (" in unordered

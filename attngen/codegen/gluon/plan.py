@@ -35,6 +35,12 @@ REGISTERS_PER_SM = 65536
 # at 192 rows more of its tiles are ones some warpgroup's rows do not see (computed, masked) or cut by the mask. So
 # three only where no mask, score modification or dropout is (each consumer then gets 160 registers, not 240).
 THREE_CONSUMERS_MAX_HEAD_DIM = 64
+# An affine key part of a separable bias (ALiBi) added to the forward's scores by the tensor cores, not by an
+# addition per score (GluonPlan.bias_mma), on the H100 (benchmarks/ab_templates.py, bf16, B*N = 16384; BENCHMARKS.md,
+# 2026-11-27 session 21): ALiBi's forward 1.067x (head_dim 64, 4096 keys), 1.065x (16384), 1.036x (128, 4096 keys,
+# the persistent form); at head_dim 128 a program per tile's 3-stage ring leaves no room for the offsets' tiles
+# (238 KB of shared memory): so head_dim 64 only.
+BIAS_MMA_MAX_HEAD_DIM = 64
 LOAD_REGS = 24  # registers per thread the load warpgroup keeps (setmaxnreg.dec): it only issues TMA copies
 MAX_STAGES = 4
 # The forward's persistent form (a program per SM taking query tiles from a counter: a tile's Q loads under the last
@@ -108,6 +114,9 @@ class GluonPlan:
     # the mask's tile classes read the inputs' pre-pass summaries (a document mask): short work items whatever the
     # length (the persistent backward's rule), and the backward choice of choice.py
     classes_read_inputs: bool = False
+    # the forward adds an affine key part of a separable bias (lowering.key_part_affine) by the tensor cores: one
+    # more product of K = 16 per score tile in place of an addition per score (BIAS_MMA_MAX_HEAD_DIM)
+    bias_mma: bool = False
 
     @property
     def bwd_persistent_every_call(self) -> bool:
@@ -186,6 +195,7 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     spec, tgt = base.spec, base.target
     d, isz = spec.head_dim, spec.dtype.itemsize
     steps = []
+    bias_mma = False
     reads_inputs = _classes_read_inputs(base)
     three = d <= THREE_CONSUMERS_MAX_HEAD_DIM and base.mask is None and base.score is None and not spec.dropout and spec.sparsity is None
     consumers = 3 if three and spec.dtype is not DType.FP8 else 2
@@ -230,7 +240,10 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
         if bias_of(base) is None:
             steps.append(Step("score modification", "computed score by score (no separable bias: expr.separable_bias)", "per score"))
         else:
-            how = "a tile's first key's value plus a vector of offsets made once an item" if key_part_affine(base) else "key by key"
+            bias_mma = key_part_affine(base) and d <= BIAS_MMA_MAX_HEAD_DIM
+            how = ("its offsets in a tile by the tensor cores, a product of ones and those offsets chained onto Q K^T, the tile's first "
+                   "key's value in each row's maximum; the forward at this head dim" if bias_mma
+                   else "a tile's first key's value plus a vector of offsets made once an item" if key_part_affine(base) else "key by key")
             steps.append(Step("score modification", f"score + L, L a sum of a row's and a key's terms: the key part L(r, kv_idx) added per key "
                                                      f"({how}), the row part in the lse (a row's softmax ignores a constant)", "separable bias"))
     # (the backward's two consumer warpgroups)
@@ -244,7 +257,8 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
                                           f"(N={PIECES_PROBE_N}: {pieces} of {total} by pieces, {whole} whole)",
                           f"{piece} x {piece} pieces" if piece else "whole tiles"))
     return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), skip_empty, piece, **bwd, persistent=persistent,
-                     persistent_stages=persistent_stages, persistent_max_keys=PERSISTENT_MAX_KEYS, classes_read_inputs=reads_inputs)
+                     persistent_stages=persistent_stages, persistent_max_keys=PERSISTENT_MAX_KEYS, classes_read_inputs=reads_inputs,
+                     bias_mma=bias_mma)
 
 
 def _empty_tiles(base: KernelPlan, block_m: int, block_n: int, piece: int) -> tuple[int, int, int]:

@@ -83,6 +83,8 @@ def context(gp: GluonPlan) -> dict:
         "has_mask": plan.mask is not None,
         "has_score": plan.score is not None and bias is None,  # a score modification lowered per score
         "bias": bias,  # or added as a separable bias: its parts' code
+        "bias_mma": gp.bias_mma,  # the forward's affine key part added by the tensor cores
+        "bsmem": ", bias_smem" if gp.bias_mma else "",
         "has_dropout": spec.dropout > 0.0,
         "runtime_sparsity": spec.sparsity == "runtime",  # the kernels walk lists of kept blocks (attngen/blocks.py)
         "sparse_block": spec.sparse_block,
