@@ -55,7 +55,7 @@ class Launcher:
         if _through_jit(fn):
             return fn[grid](*args, **self.options, **kwargs)
         device = driver.active.get_current_device()
-        found = None if known is None else self.known.get((device, known, *kwargs.items()))
+        found = None if known is None else self.known.get(_known_key(device, known, kwargs))
         if found is None:
             key = (device, tuple(kwargs.items()), *_specializations(args))
             found = self.kernels.get(key)
@@ -66,10 +66,10 @@ class Launcher:
                 rest = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in fn.params[len(args):])
                 found = self.kernels[key] = (kernel, rest)
                 if known is not None:
-                    self._know((device, known, *kwargs.items()), found)
+                    self._know(_known_key(device, known, kwargs), found)
                 return kernel
             if known is not None:
-                self._know((device, known, *kwargs.items()), found)
+                self._know(_known_key(device, known, kwargs), found)
         kernel, rest = found
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         kernel.run(grid_x, grid_y, grid_z, driver.active.get_current_stream(device), kernel.function,
@@ -84,7 +84,7 @@ class Launcher:
         if _through_jit(fn):
             return fn[grid](*recipe.args(tensors), **self.options, **kwargs)
         device = driver.active.get_current_device()
-        key = (device, known, *kwargs.items())
+        key = _known_key(device, known, kwargs)
         direct = self.direct.get(key)
         if not direct:
             kernel = self.launch_as(known, grid, *recipe.args(tensors), **kwargs)
@@ -133,9 +133,15 @@ class BoundLaunch:
         self.direct = None
         if not _through_jit(fn):
             device = driver.active.get_current_device()
-            direct = launcher.direct.get((device, self.known, *self.kwargs.items()))
+            direct = launcher.direct.get(_known_key(device, self.known, self.kwargs))
             if direct:
                 self.direct, self.fn, self.device = direct, fn, device
+
+
+def _known_key(device, known, kwargs: dict) -> tuple:
+    """The key of a known call (launch_as's `known` and keyword arguments, on a device) in Launcher.known and
+    Launcher.direct."""
+    return (device, known, *kwargs.items())
 
 
 def _hooked() -> bool:

@@ -444,7 +444,7 @@ class Kernel:
             fp8_scales = {} if descales is None else {"descales": descales}
             return self.gluon.attention_forward(q, k, v, *inputs, **self._extra(dropout_p, seed, block_mask, dims, device), varlen=varlen,
                                                 **fp8_scales)
-        if q.device.type == "cpu" and self.spec.dtype is DType.BF16:
+        if device.type == "cpu" and self.spec.dtype is DType.BF16:
             o, lse = self._twin()._forward_impl(*_up(q, k, v), _up(*inputs), dropout_p, seed, block_mask, varlen)
             return o.to(torch.bfloat16), lse
         extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
@@ -475,7 +475,7 @@ class Kernel:
             dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **self._extra(dropout_p, seed, block_mask, dims, device),
                                                        varlen=varlen)
             return dq, dk, dv, [t.new_empty(0) for t in floats]
-        extra = self._extra(dropout_p, seed, block_mask, dims, q.device)
+        extra = self._extra(dropout_p, seed, block_mask, dims, device)
         if varlen is not None:  # packed sequences: the Triton generator's kernels (no input gradients: refused at the call)
             with _interpreter_errstate() if q.device.type == "cpu" else contextlib.nullcontext():
                 dq, dk, dv = self.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **extra, varlen=varlen)
@@ -762,8 +762,9 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel: Kernel, options, q, k, v, *inputs):
         ctx.set_materialize_grads(False)
-        o, lse = kernel._forward_impl(q, k, v, inputs, *(options or _PLAIN))
-        ctx.kernel, ctx.options = kernel, options or _PLAIN
+        options = options or _PLAIN
+        o, lse = kernel._forward_impl(q, k, v, inputs, *options)
+        ctx.kernel, ctx.options = kernel, options
         ctx.save_for_backward(q, k, v, o, lse, *inputs)
         return o, lse
 
@@ -775,9 +776,6 @@ class _AttentionFunction(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(o)
         dropout_p, seed, block_mask, varlen = ctx.options
-        if not inputs:
-            dq, dk, dv, _ = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, (), dropout_p, seed, block_mask, False, varlen)
-            return None, None, dq, dk, dv
         wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[5:], inputs)]
         dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, any(wanted), varlen)
         return (None, None, dq, dk, dv) + _as_input_grads(inputs, grads, wanted)

@@ -240,10 +240,11 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
         if bias_of(base) is None:
             steps.append(Step("score modification", "computed score by score (no separable bias: expr.separable_bias)", "per score"))
         else:
-            bias_mma = key_part_affine(base) and d <= BIAS_MMA_MAX_HEAD_DIM
+            affine = key_part_affine(base)
+            bias_mma = affine and d <= BIAS_MMA_MAX_HEAD_DIM
             how = ("its offsets in a tile by the tensor cores, a product of ones and those offsets chained onto Q K^T, the tile's first "
                    "key's value in each row's maximum; the forward at this head dim" if bias_mma
-                   else "a tile's first key's value plus a vector of offsets made once an item" if key_part_affine(base) else "key by key")
+                   else "a tile's first key's value plus a vector of offsets made once an item" if affine else "key by key")
             steps.append(Step("score modification", f"score + L, L a sum of a row's and a key's terms: the key part L(r, kv_idx) added per key "
                                                      f"({how}), the row part in the lse (a row's softmax ignores a constant)", "separable bias"))
     # (the backward's two consumer warpgroups)
