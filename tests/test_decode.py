@@ -409,3 +409,26 @@ def test_a_decode_step_is_captured_in_a_cuda_graph(device):
             want, want_lse = kern(q, k_cache, v_cache, block_table=table, kv_lens=lens, return_lse=True)
             assert torch.equal(out, want)
             _check_reference(kern, want, want_lse, q, k_cache, v_cache, kv_lens=lens, block_table=table)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("q_rows", [1, 16], ids=["one_token", "16_tokens"])
+def test_serving_sizes_on_the_gpu(dtype, layout, q_rows, device):
+    """A serving model's shapes in its element type: head_dim 128, 32 query heads over 8 key/value heads, sequences
+    of 8192, 3000 and 1 cached keys (NaN past each), one new token or 16 (speculative decoding), a contiguous cache
+    or 16-token pages in a shuffled order; the plan's split and tiles, against the float64 reference."""
+    if device != "cuda":
+        pytest.skip("serving sizes in bf16/fp16 run on the GPU (their CPU twins: the fp32 tests above)")
+    extra = "\n kv_layout = paged\n page_size = 16" if layout == "paged" else ""
+    spec = _spec(BOTTOM_RIGHT + extra, dtype=dtype, d=128)
+    kern = attngen.compile(spec)
+    lens = [8192, 3000, 1]
+    q, k, v = _tensors(spec, device, lens, q_rows, hq=32, hkv=8, capacity=8192)
+    serving = {"kv_lens": _lens(lens, device)}
+    if layout == "paged":
+        k, v, serving["block_table"], _, _ = _paged(k, v, lens, 16, device, shared_prefix=False)
+    assert decode.decode_shape(kern.plan, len(lens), 32, 8, q_rows, 8192).splits > 1  # the keys split across programs
+    with torch.no_grad():
+        out, lse = kern(q, k, v, return_lse=True, **serving)
+    _check_reference(kern, out, lse, q, k, v, **serving)

@@ -186,3 +186,41 @@ def test_offsets_checked_once_are_checked_again_after_an_in_place_change(target,
     cq[1] = 11  # no longer ends at 10 after an increasing step
     with pytest.raises(InputError, match="cu_seqlens_q must start at 0 and never decrease"):
         _call(kern, device, cu_seqlens_q=cq)
+
+
+@pytest.mark.parametrize("backend", ["auto", "gluon"])
+def test_a_packed_call_is_captured_in_a_cuda_graph(backend, device):
+    """A packed training step (forward and backward) captured once and replayed over new values in the same
+    tensors, offsets included (other lengths, the same total and max_seqlen): the grid comes from max_seqlen and the
+    batch size, so no value reaches the host; each replay equals the eager call on those values."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    kern = attngen.compile(ROOT / "specs" / "causal.attn", backend=backend)
+    d, total, longest = kern.spec.head_dim, 1200, 700
+    cq = _offsets([300, 700, 200], device)
+    q, k, v, do = (torch.randn(total, HQ if i in (0, 3) else HKV, d, device="cuda", dtype=torch.bfloat16) for i in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        out = kern(*leaves, cu_seqlens_q=cq, cu_seqlens_k=cq, max_seqlen_q=longest, max_seqlen_k=longest)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: compiles and checks the offsets once
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for lengths in ([700, 100, 400], [1, 699, 500]):
+        cq.copy_(_offsets(lengths, device))
+        for t in (*leaves, do):
+            with torch.no_grad():
+                t.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step()
+        assert not any(torch.isnan(t).any() for t in captured)
+        for got, expected in zip(captured, want):
+            assert torch.equal(got, expected)
