@@ -139,20 +139,20 @@ def _providers(spec: Spec, compile_spec) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Per provider: the time a call and % of the copy rate in a graph of the row's layers (see the module doc),
-    then one call a graph, then eager."""
+    """Per provider: the time a call, its K/V read rate (GB/s) and % of the copy rate in a graph of the row's layers
+    (see the module doc), then one call a graph, then eager."""
     names = [n for n in ("attngen", *(f"paged{p}" for p in PAGE_SIZES), "flex") if any(n in r for r in rows)]
-    head = f"{'spec':<22}{'B':>4}{'N':>8}{'Nq':>4}{'L':>3}" + "".join(f"{n + ' us %copy | one | eager':>36}" for n in names) + f"{'vs flex':>9}"
+    head = f"{'spec':<22}{'B':>4}{'N':>8}{'Nq':>4}{'L':>3}" + "".join(f"{n + ' us GB/s %copy | one | eager':>43}" for n in names) + f"{'vs flex':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = []
         for n in names:
             x = r.get(n, {})
-            cells.append(f"{x['ms'] * 1e3:8.1f} {x['copy_pct']:5.1f}% | {x['one']['ms'] * 1e3:7.1f} {x['one']['copy_pct']:5.1f}% | {x['eager_ms'] * 1e3:6.1f}"
-                         if "ms" in x else f"{'error' if 'error' in x else '-':>34}")
+            cells.append(f"{x['ms'] * 1e3:8.1f} {x['gbs']:6.0f} {x['copy_pct']:5.1f}% | {x['one']['ms'] * 1e3:7.1f} {x['one']['copy_pct']:5.1f}% | "
+                         f"{x['eager_ms'] * 1e3:6.1f}" if "ms" in x else f"{'error' if 'error' in x else '-':>41}")
         a, f = r.get("attngen", {}), r.get("flex", {})
         vs = f"{f['ms'] / a['ms']:8.2f}x" if "ms" in a and "ms" in f else f"{'-':>9}"
-        lines.append(f"{r['spec']:<22}{r['B']:>4}{r['N']:>8}{r['Nq']:>4}{r.get('layers', 1):>3}" + "".join(f"{c:>36}" for c in cells) + vs)
+        lines.append(f"{r['spec']:<22}{r['B']:>4}{r['N']:>8}{r['Nq']:>4}{r.get('layers', 1):>3}" + "".join(f"{c:>43}" for c in cells) + vs)
     errors = [f"  {r['spec']} B={r['B']} N={r['N']} Nq={r['Nq']} {n}: {r[n]['error']}" for r in rows for n in names if "error" in r.get(n, {})]
     return "\n".join(lines + (["errors:"] + errors if errors else []))
 
