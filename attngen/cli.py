@@ -263,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # `attngen` (or `python -m attngen`) alone: the full help
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except SourceError as err:

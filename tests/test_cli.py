@@ -221,3 +221,28 @@ def test_usage_errors(argv):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
+
+
+def test_no_command_prints_the_full_help(capsys):
+    """`attngen` or `python -m attngen` alone: the description and every command with its help, exit 0."""
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: attngen") and "Compile .attn attention specs" in out
+    for command in ("build", "plan", "check", "bench", "targets"):
+        assert f"    {command}" in out, command
+
+
+def test_readme_api_section_links_every_public_name():
+    """Each name attngen exports (and attngen.hf.register) has a row in the README's API table that links its
+    source file, and each link and section anchor in that table exists."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Python API"):readme.index("## Serving")]
+    links = dict(re.findall(r"\[`(attngen\.[\w.]+)`\]\(([\w/.]+)\)", section))
+    names = {f"attngen.{n}" for n in attngen.__all__} | {"attngen.hf.register"}
+    assert names <= set(links), sorted(names - set(links))
+    assert all((ROOT / path).is_file() for path in links.values())
+    headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in re.findall(r"^## (.+)$", readme, re.M)}
+    anchors = set(re.findall(r"\]\(#([\w-]+)\)", section))
+    assert anchors and anchors <= headings, sorted(anchors - headings)
