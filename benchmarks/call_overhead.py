@@ -2,6 +2,11 @@
 records (called directly), and, on a GPU, the generated launcher alone (the bare launch). Issue 17's target: a
 call within 10 us of the bare launch.
 
+On a GPU also the two ways torch.library offers (issue 17: measure which keeps the launch overhead lowest), no
+grad: attngen's `custom_op` (attngen.runtime._Ops) and a `triton_op` whose body launches the Triton generator's
+forward kernel through `wrap_triton` (which Inductor can trace into, emitting the launch in its own code), each
+called directly and inside a `torch.compile(fullgraph=True)` function, beside that kernel's launcher alone.
+
     python benchmarks/call_overhead.py [--device cpu|cuda] [--calls 20000]
 
 On the CPU (Triton's interpreter) the query length is 0, so no kernel runs and only the dispatch is timed; on
@@ -78,11 +83,47 @@ def main():
             grid = g.grid(n, 1, 1)
             rows["Gluon kernel: attngen.launch.Launcher"] = lambda: g._FORWARD(grid, *g.launch_args(q, k, v, o, lse))
             rows["Gluon kernel: Triton's JIT (fn[grid](...))"] = lambda: g._attn_fwd[grid](*g.launch_args(q, k, v, o, lse), **g._FORWARD.options)
+    if args.device == "cuda":
+        rows.update(_custom_op_against_triton_op(q, k, v))
     rows = per_call_us(rows, args.calls)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (no kernel runs: Nq = 0)"
     print(f"host time per call, us ({name}; torch {torch.__version__}; median of 5 interleaved rounds of {args.calls})")
     for what, us in rows.items():
         print(f"  {what:<45} {us:8.1f}")
+
+
+def _custom_op_against_triton_op(q, k, v) -> dict:
+    """Rows (no grad) for custom_op against triton_op, both around a forward of the same spec: attngen's op calls
+    the kernel `auto` chose (the Gluon one on an H100); the triton_op launches the Triton generator's forward, since
+    wrap_triton takes triton.jit kernels (not Gluon's). The launchers alone are the bare launches to compare with."""
+    import triton
+    from torch.library import triton_op, wrap_triton
+
+    kern = attngen.compile(ROOT / "specs" / "causal.attn")
+    plain = attngen.compile(ROOT / "specs" / "causal.attn", backend="triton")
+    m, config = plain.module, plain.module.TILES["fwd"]
+
+    @triton_op("attngen_call_overhead::causal_forward", mutates_args=())
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch, heads, n, _ = q.shape
+        o = torch.empty_like(q)
+        lse = torch.empty((batch, heads, n), device=q.device, dtype=torch.float32)
+        grid = (triton.cdiv(n, config["BLOCK_M"]), batch * heads)
+        wrap_triton(m._attn_fwd)[grid](q, k, v, o, lse, lse, lse, n, *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3],
+                                       heads, heads // k.shape[1], n, k.shape[2], VARLEN=False, **config)
+        return o
+
+    op = torch.ops.attngen_call_overhead.causal_forward
+    assert torch.equal(op(q, k, v), plain(q, k, v))  # the triton_op computes the Triton generator's forward
+    compiled_custom = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True)
+    compiled_triton = torch.compile(lambda q, k, v: op(q, k, v), fullgraph=True)
+    no_grad = lambda fn: _with_grad(False, fn)  # noqa: E731
+    return {
+        "Triton generator's launcher alone": no_grad(lambda: m.attention_forward(q, k, v)),
+        "triton_op (Triton kernel), called directly": no_grad(lambda: op(q, k, v)),
+        "custom op, in torch.compile(fullgraph)": no_grad(lambda: compiled_custom(q, k, v)),
+        "triton_op, in torch.compile(fullgraph)": no_grad(lambda: compiled_triton(q, k, v)),
+    }
 
 
 if __name__ == "__main__":
