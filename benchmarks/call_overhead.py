@@ -95,7 +95,8 @@ def main():
 def _custom_op_against_triton_op(q, k, v) -> dict:
     """Rows (no grad) for custom_op against triton_op, both around a forward of the same spec: attngen's op calls
     the kernel `auto` chose (the Gluon one on an H100); the triton_op launches the Triton generator's forward, since
-    wrap_triton takes triton.jit kernels (not Gluon's). The launchers alone are the bare launches to compare with."""
+    Inductor's path for a user-defined kernel re-emits it under @triton.jit and reads its TTIR through Triton's own
+    front end, which Gluon kernels are not written for. The launchers alone are the bare launches to compare with."""
     import triton
     from torch.library import triton_op, wrap_triton
 
