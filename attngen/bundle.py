@@ -469,20 +469,37 @@ def read_manifest(directory: Path) -> dict:
         raise BundleError(f"{path}: unreadable manifest ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("entries"), list):
         raise BundleError(f"{path}: not a {FORMAT} manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    if not all(isinstance(manifest.get(f), str) for f in ("attngen", "triton")):
+        raise BundleError(f"{path}: the versions of attngen and triton that built it must be strings")
     for entry in manifest["entries"]:
         for fld in ("name", "target", "arch", "spec", "spec_hash", "module", "kernels"):
             if not isinstance(entry, dict) or fld not in entry:
                 raise BundleError(f"{path}: an entry lacks {fld!r}")
+        if not all(isinstance(entry[f], str) for f in ("name", "target", "spec", "spec_hash")) or type(entry["arch"]) is not int:
+            raise BundleError(f"{path}: an entry's name, target, spec and spec_hash must be strings and its arch an integer")
+        where = f"{path}: entry {entry['name']!r} for {entry['target']!r}"
         gluon = entry.get("gluon")
-        if gluon is not None and not (isinstance(gluon, dict) and isinstance(gluon.get("module"), dict) and isinstance(gluon.get("kernels"), list)
-                                      and gluon.get("forward") in ("gluon", "triton") and gluon.get("backward") in ("gluon", "triton")):
-            raise BundleError(f"{path}: entry {entry.get('name')!r} has a malformed 'gluon' section")
+        if gluon is not None and not (isinstance(gluon, dict) and gluon.get("forward") in ("gluon", "triton") and gluon.get("backward") in ("gluon", "triton")):
+            raise BundleError(f"{where} has a malformed 'gluon' section")
+        for part, section in (("", entry), (" (Gluon)", gluon)) if gluon is not None else (("", entry),):
+            if not _is_file_record(section.get("module")):
+                raise BundleError(f"{where}{part}: its module must be {{\"path\": ..., \"sha256\": ...}}")
+            kernels = section.get("kernels")
+            if not (isinstance(kernels, list) and all(isinstance(k, dict) and all(isinstance(k.get(f), str) for f in ("kernel", "key", "triton_hash"))
+                                                      and isinstance(k.get("files"), dict) and all(_is_file_record(f) for f in k["files"].values())
+                                                      for k in kernels)):
+                raise BundleError(f"{where}{part}: its kernels must be a list of {{\"kernel\", \"key\", \"triton_hash\": strings, "
+                                  f"\"files\": {{file: {{\"path\", \"sha256\"}}}}}}")
         for rel, _ in _entry_files(entry):
             if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
                 raise BundleError(f"{path}: file path {rel!r} leaves the bundle directory")
         if not _NAME.match(entry["name"]) or not _NAME.match(entry["target"].replace("-", "_")):
             raise BundleError(f"{path}: bad entry name {entry['name']!r} / target {entry['target']!r}")
     return manifest
+
+
+def _is_file_record(record) -> bool:
+    return isinstance(record, dict) and isinstance(record.get("path"), str) and isinstance(record.get("sha256"), str)
 
 
 def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binaries: bool = True, progress: bool = True) -> dict:
@@ -507,9 +524,13 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
         raise BundleError(f"two specs are named {dup[0]!r}: a bundle holds one spec per name")
     if not targets:
         raise BundleError("no target: name at least one (--target h100; `attngen targets` lists them)")
+    if any(t.strip().lower() in ("", "auto") for t in targets):
+        raise BundleError("a bundle is built for named GPUs (--target h100; `attngen targets` lists them): `auto` means the live GPU, "
+                          "which a build does not have")
     work: list[_Job] = []
+    seen: set = set()
     for spec in spec_objs:
-        for target in dict.fromkeys(targets):
+        for target in dict.fromkeys(t.strip().lower() for t in targets):
             try:
                 p = make_plan(spec, target)
             except PlanError as err:
@@ -517,6 +538,9 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
             if binaries and p.target.arch < 75:
                 raise BundleError(f"{spec.name} for {target}: Triton {versions()['triton']} compiles for compute capability 7.5 "
                                   f"and newer; {p.target.full_name} is {p.target.arch / 10:.1f}")
+            if (spec.name, p.target.name) in seen:  # two spellings of one GPU
+                continue
+            seen.add((spec.name, p.target.name))
             _, source = build_source(p)
             entry = {
                 "name": spec.name, "target": p.target.name, "arch": p.target.arch, "gpu": p.target.full_name,
@@ -533,16 +557,14 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
                 }
             work.append(job)
 
-    old = None
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise BundleError(f"{out_dir} exists and is not a directory")
-        if (out_dir / MANIFEST).exists():
-            old = read_manifest(out_dir)
-        elif any(out_dir.iterdir()):
-            raise BundleError(f"{out_dir} exists and is not an attngen bundle (no {MANIFEST}); remove it or choose another -o")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
+    out_dir = out_dir.resolve()  # `-o .` and a link to a bundle: the directory itself is replaced
+    old = _existing_bundle(out_dir, {(j.entry["name"], j.entry["target"]) for j in work})
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it 0700: the bundle gets a directory's usual mode
+    except OSError as err:
+        raise BundleError(f"cannot write the bundle next to {out_dir}: {err.strerror} ({err.filename})") from None
     try:
         for job in work:
             path = staging / job.entry["module"]["path"]
@@ -622,13 +644,60 @@ def _compile_all(work: list[_Job], staging: Path, jobs: int | None, progress: bo
             bar.step(what)
 
 
+def _existing_bundle(out_dir: Path, building: set) -> dict | None:
+    """The manifest of the bundle already in `out_dir` (None: nothing there), checked before anything is
+    compiled: a directory that holds anything but a bundle's files is refused (a rebuild replaces the directory,
+    so a file its manifest does not list would be lost), as is a bundle whose kept entries' files are damaged."""
+    if not out_dir.exists():
+        return None
+    if not out_dir.is_dir():
+        raise BundleError(f"{out_dir} exists and is not a directory")
+    if not (out_dir / MANIFEST).exists():
+        if any(out_dir.iterdir()):
+            raise BundleError(f"{out_dir} exists and is not an attngen bundle (no {MANIFEST}); remove it or choose another -o")
+        return None
+    old = read_manifest(out_dir)
+    listed = {MANIFEST} | {rel for e in old["entries"] for rel, _ in _entry_files(e)}
+    foreign = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if not p.is_dir() and p.relative_to(out_dir).as_posix() not in listed)
+    if foreign:
+        raise BundleError(f"{out_dir} holds {foreign[0]!r}" + (f" and {len(foreign) - 1} more files" if len(foreign) > 1 else "") +
+                          f", which its {MANIFEST} does not list: a build replaces the whole directory; move them or choose another -o")
+    for e in old["entries"]:
+        if (e["name"], e["target"]) not in building:  # kept: its files are copied into the new bundle
+            damaged = _verify_files(out_dir, e)[1]
+            if damaged is not None:
+                raise BundleError(f"{out_dir}: its entry {e['name']} for {e['target']}, which this build would keep, is damaged: {damaged}; "
+                                  f"rebuild that entry too or remove the bundle")
+    return old
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask would, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _swap(staging: Path, out_dir: Path) -> None:
     """Put the finished bundle in place of `out_dir` (two renames; the old one is removed after)."""
-    if not out_dir.exists():
-        os.rename(staging, out_dir)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.rename(out_dir, trash / "old")
+    try:
+        if not out_dir.exists():
+            os.rename(staging, out_dir)
+            return
+        trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    except OSError as err:
+        raise BundleError(f"cannot put the bundle in place at {out_dir}: {err.strerror}") from None
+    try:
+        os.rename(out_dir, trash / "old")
+    except OSError as err:
+        shutil.rmtree(trash, ignore_errors=True)
+        raise BundleError(f"cannot replace {out_dir}: {err.strerror} (is it the current directory of a process, or a mount point?)") from None
     os.rename(staging, out_dir)
     shutil.rmtree(trash, ignore_errors=True)
 
@@ -780,8 +849,9 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
     texts, reason = _verify_files(directory, entry)
     kernel_plan = source = choice = None
     gluon = entry.get("gluon")
-    if reason is None and hash_of(spec_obj) != entry["spec_hash"]:
-        reason = "the manifest's spec text does not match its spec_hash"
+    if spec is None and hash_of(spec_obj) != entry["spec_hash"]:
+        # the bundle's own spec is what would be compiled just in time: edited, it is no spec to fall back on
+        raise BundleError(f"{where}: the manifest's spec text does not match its spec_hash (edited or corrupted); rebuild the bundle")
     if reason is None:
         kernel_plan = make_plan(spec_obj, entry["target"])
         _, source = build_source(kernel_plan)

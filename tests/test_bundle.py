@@ -486,3 +486,87 @@ def test_a_gluon_bundle_launches_with_no_compilation(built_gluon, device):
     for got, want in zip((out, *grads), (ref, *ref_grads)):
         assert torch.isfinite(got).all() and (got.double() - want).abs().max().item() <= 1e-2 * max(1.0, want.abs().max().item())
     assert kern.bundle.stats.compiled == 0 and kern.bundle.stats.loaded == 3  # _attn_fwd, _bwd_delta, _attn_bwd (Gluon)
+
+
+def _quick_bundle(tmp_path, name="b", specs=("causal",)):
+    out = tmp_path / name
+    bundle.build([ROOT / "specs" / f"{s}.attn" for s in specs], ["h100"], out, binaries=False, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m, e: e["module"].pop("path"), r"its module must be \{\"path\""),
+    (lambda m, e: e.__setitem__("kernels", "abc"), "its kernels must be a list"),
+    (lambda m, e: e.__setitem__("kernels", [{"kernel": "k", "key": "x", "triton_hash": "h"}]), "its kernels must be a list"),
+    (lambda m, e: e.__setitem__("name", 5), "must be strings and its arch an integer"),
+    (lambda m, e: e.__setitem__("arch", "90"), "must be strings and its arch an integer"),
+    (lambda m, e: m.pop("triton"), "versions of attngen and triton"),
+    (lambda m, e: e.__setitem__("gluon", {"forward": "gluon", "backward": "gluon", "module": {"path": 1}, "kernels": []}),
+     r"\(Gluon\): its module must be"),
+], ids=["no_path", "kernels_a_string", "kernel_without_files", "name_a_number", "arch_a_string", "no_triton_version", "gluon_module"])
+def test_a_manifest_of_the_wrong_shape_is_refused(change, message, tmp_path):
+    """Every field a load reads is checked for its type first: BundleError naming the manifest, not a KeyError or
+    TypeError from inside the loader."""
+    out = _quick_bundle(tmp_path)
+    path = out / bundle.MANIFEST
+    m = json.loads(path.read_text())
+    change(m, m["entries"][0])
+    path.write_text(json.dumps(m))
+    with pytest.raises(attngen.BundleError, match=message):
+        attngen.load(out, "causal")
+
+
+@NO_GPU
+def test_an_edited_spec_in_the_manifest_is_refused_not_compiled(tmp_path):
+    """The manifest's spec text edited (its sha256 not): the load raises, where it used to warn and compile the
+    edited spec just in time; a spec the caller passes (compile(spec, bundle=)) is found by its own hash."""
+    out = _quick_bundle(tmp_path)
+    path = out / bundle.MANIFEST
+    m = json.loads(path.read_text())
+    m["entries"][0]["spec"] = m["entries"][0]["spec"].replace("q_idx >= kv_idx", "q_idx <= kv_idx")
+    path.write_text(json.dumps(m))
+    with pytest.raises(attngen.BundleError, match="spec text does not match its spec_hash"):
+        attngen.load(out, "causal")
+    with pytest.warns(attngen.BundleWarning, match="no CUDA device"):  # the caller's spec, unchanged, is what compiles
+        kern = attngen.compile(ROOT / "specs" / "causal.attn", bundle=out)
+    assert "q_idx >= kv_idx" in kern.source
+
+
+def test_a_build_never_deletes_what_is_not_its_own(tmp_path, monkeypatch):
+    """A rebuild replaces the bundle's directory, so files its manifest does not list are refused (and kept), and
+    so is a bundle whose kept entries' files are damaged (before anything compiles); a path through a file, a
+    link to a bundle and `-o .` inside one; the directory's mode follows the umask (mkdtemp's is 0700)."""
+    old_mask = os.umask(0o022)
+    try:
+        out = _quick_bundle(tmp_path)
+        assert oct(out.stat().st_mode & 0o777) == oct(0o755)
+    finally:
+        os.umask(old_mask)
+    (out / "NOTES.txt").write_text("mine")
+    with pytest.raises(attngen.BundleError, match="holds 'NOTES.txt', which its manifest.json does not list"):
+        bundle.build([ROOT / "specs" / "dense.attn"], ["h100"], out, binaries=False, progress=False)
+    assert (out / "NOTES.txt").read_text() == "mine"
+    (out / "NOTES.txt").unlink()
+    (out / "causal_h100.py").unlink()
+    with pytest.raises(attngen.BundleError, match="entry causal for h100, which this build would keep, is damaged"):
+        bundle.build([ROOT / "specs" / "dense.attn"], ["h100"], out, binaries=False, progress=False)
+    bundle.build([ROOT / "specs" / "causal.attn"], ["h100"], out, binaries=False, progress=False)  # rebuilding it mends it
+    assert bundle._verify_files(out, bundle.read_manifest(out)["entries"][0])[1] is None
+    (tmp_path / "afile").write_text("x")
+    assert main(["build", str(ROOT / "specs" / "dense.attn"), "--target", "h100", "--no-binaries", "-q", "-o", str(tmp_path / "afile" / "sub")]) == 2
+    (tmp_path / "link").symlink_to(out)
+    bundle.build([ROOT / "specs" / "dense.attn"], ["h100"], tmp_path / "link", binaries=False, progress=False)
+    assert (tmp_path / "link").is_symlink() and sorted(e["name"] for e in bundle.read_manifest(out)["entries"]) == ["causal", "dense"]
+    monkeypatch.chdir(out)
+    assert main(["build", str(ROOT / "specs" / "local_window.attn"), "--target", "h100", "--no-binaries", "-q", "-o", "."]) == 0
+    assert sorted(e["name"] for e in bundle.read_manifest(out)["entries"]) == ["causal", "dense", "local_window"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "b", "link"]  # no staging or old copies left
+
+
+def test_targets_are_named_once_and_never_auto(tmp_path):
+    out = tmp_path / "b"
+    bundle.build([ROOT / "specs" / "dense.attn"], ["H100", "h100 "], out, binaries=False, progress=False)
+    assert [(e["name"], e["target"]) for e in bundle.read_manifest(out)["entries"]] == [("dense", "h100")]
+    with pytest.raises(attngen.BundleError, match="built for named GPUs"):
+        bundle.build([ROOT / "specs" / "dense.attn"], ["auto"], tmp_path / "c", binaries=False, progress=False)
+    assert not (tmp_path / "c").exists()
