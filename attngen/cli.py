@@ -33,6 +33,20 @@ def cmd_targets(args) -> int:
     return 0
 
 
+MAX_MAP_TILES = 1 << 16  # `attngen plan --seq`: the largest tile map drawn (256 x 256 tiles)
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
 def cmd_plan(args) -> int:
     from .codegen.gluon import choose
     from .intervals import TileClass, classify_tiles, tile_counts, tile_map
@@ -55,6 +69,11 @@ def cmd_plan(args) -> int:
                 print(f"  B={batch} Hq={heads} Hkv={kv_heads} Nq={q_len}: {decode_shape(p, batch, heads, kv_heads, q_len, kv_len).describe()}")
         if args.seq and spec.kv_layout.value == "contiguous":
             q_len, kv_len = args.seq, args.kv_seq or args.seq
+            tiles = -(-q_len // p.block_m) * -(-kv_len // p.block_n)
+            if tiles > MAX_MAP_TILES:
+                print(f"\ntile classes at q_len={q_len}, kv_len={kv_len}: {tiles} tiles, more than the {MAX_MAP_TILES} a map draws "
+                      f"(take a shorter --seq; the classes repeat along the diagonal)")
+                continue
             classes = classify_tiles(p.mask, q_len, kv_len, p.block_m, p.block_n)
             counts = tile_counts(classes)
             total = sum(counts.values())
@@ -217,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the tiling plan and its derivation from the target's SRAM")
     p.add_argument("spec", nargs="+")
     p.add_argument("--target", default=None, help="GPU name (default: the spec's target)")
-    p.add_argument("--seq", type=int, default=None, help="also print the tile-class map for this query length")
-    p.add_argument("--kv-seq", type=int, default=None, help="key length for the map (default: --seq)")
+    p.add_argument("--seq", type=_positive, default=None, help="also print the tile-class map for this query length")
+    p.add_argument("--kv-seq", type=_positive, default=None, help="key length for the map (default: --seq)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("targets", help="list the known GPUs")

@@ -246,3 +246,18 @@ def test_readme_api_section_links_every_public_name():
     headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in re.findall(r"^## (.+)$", readme, re.M)}
     anchors = set(re.findall(r"\]\(#([\w-]+)\)", section))
     assert anchors and anchors <= headings, sorted(anchors - headings)
+
+
+@pytest.mark.parametrize("argv, message", [(["--seq", "-5"], "--seq: -5: must be at least 1"), (["--seq", "0"], "--seq: 0: must be at least 1"),
+                                           (["--seq", "256", "--kv-seq", "-1"], "--kv-seq: -1: must be at least 1"),
+                                           (["--seq", "x"], "--seq: 'x' is not a whole number")])
+def test_plan_refuses_lengths_below_one(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(ROOT / "specs" / "causal.attn"), *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plan_draws_no_map_too_large_to_read(capsys):
+    assert main(["plan", str(ROOT / "specs" / "causal.attn"), "--seq", "100000000"]) == 0
+    out = capsys.readouterr().out
+    assert "more than the 65536 a map draws" in out and "must be visited" not in out
