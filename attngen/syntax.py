@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from .errors import Span, SpecSyntaxError
@@ -158,6 +158,23 @@ def _describe(tok: Token) -> str:
     return repr(str(tok))
 
 
+MAX_NESTING = 100  # levels of a parse tree: every later stage walks expressions recursively
+
+
+def _check_nesting(tree, text: str, filename: str | None) -> None:
+    """SpecSyntaxError at the first node nested deeper than MAX_NESTING (found without recursion): a mask of
+    hundreds of `or` clauses would otherwise end in Python's RecursionError somewhere later."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            meta = node.meta
+            span = Span(meta.line, meta.column, meta.line, meta.column + 1) if not meta.empty else Span(1, 1, 1, 2)
+            raise SpecSyntaxError(f"expression nested more than {MAX_NESTING} levels deep (a chain of that many operators nests "
+                                  f"as deep); split it, e.g. into declared inputs or shorter conditions", span, text, filename)
+        stack.extend((child, depth + 1) for child in node.children if isinstance(child, Tree))
+
+
 def parse(text: str, filename: str | None = None) -> ParsedSpec:
     """Parse spec text. Raises SpecSyntaxError with file:line:col, the line, a caret and what was expected."""
     parser = _parser()
@@ -183,6 +200,7 @@ def parse(text: str, filename: str | None = None) -> ParsedSpec:
         lines = text.splitlines() or [""]
         span = Span(len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
         raise SpecSyntaxError(f"unexpected end of text; {_expected(err, parser)}", span, text, filename) from None
+    _check_nesting(tree, text, filename)
     name, settings, inputs = _ToAst().transform(tree)
     return ParsedSpec(
         name=str(name),

@@ -5,6 +5,7 @@ import pytest
 
 from attngen.errors import SpecSyntaxError
 from attngen.spec import Binary, Call, Const, Index, Type, Unary, Var
+from attngen.check import load_spec
 from attngen.syntax import parse
 
 SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
@@ -107,3 +108,19 @@ def test_syntax_errors_are_pointed(text, line, col, expected_words):
     assert src_line in msg  # the offending line is shown ...
     caret = msg.splitlines()[-1]
     assert caret.strip().startswith("^") and caret.index("^") - 4 == col - 1  # ... with a caret under the column
+
+
+def test_an_expression_nested_too_deep_is_a_syntax_error_not_a_recursion_error():
+    """500 `or` clauses (a parse tree 500 levels deep) used to end in RecursionError while checking or planning;
+    the parser now refuses more than MAX_NESTING levels with the file and position, and 95 clauses (just under
+    it) still parse."""
+    from attngen.syntax import MAX_NESTING
+
+    def spec(n):
+        return "attention deep {\n head_dim = 16\n dtype = fp32\n mask = " + " or ".join(f"(q_idx == {i} and kv_idx == {i})" for i in range(n)) + "\n}"
+
+    with pytest.raises(SpecSyntaxError, match=rf"deep.attn:4:\d+: syntax error: expression nested more than {MAX_NESTING} levels deep"):
+        load_spec(spec(500), "deep.attn")
+    with pytest.raises(SpecSyntaxError, match="nested more than"):
+        load_spec("attention s {\n head_dim = 16\n dtype = fp32\n score = " + " + ".join(["score"] * 600) + "\n}")
+    assert load_spec(spec(95)).mask is not None
