@@ -28,7 +28,7 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
         if backend is not None or deterministic is not None:
             raise InputError("a bundle holds the kernels of the generators its build chose from the spec's own backend and "
                              "deterministic settings; set them in the spec and rebuild, or drop bundle=")
-        return load(bundle, spec=read_spec(spec), strict=strict, target=target)
+        return load(bundle, spec=read_spec(spec), strict=strict, target=target, cache_dir=cache_dir)
     from . import runtime
 
     return runtime.compile(spec, target, cache_dir=cache_dir, classify=classify, backend=backend, deterministic=deterministic)

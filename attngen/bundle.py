@@ -819,13 +819,14 @@ def _choose(manifest: dict, directory: Path, name: str | None, spec_hash: str | 
         (e for e in entries if f"target = {e['target']}\n" in e["spec"]), entries[0])
 
 
-def load(directory, name: str | None = None, *, strict: bool = False, spec=None, target: str | None = None):
+def load(directory, name: str | None = None, *, strict: bool = False, spec=None, target: str | None = None, cache_dir=None):
     """The Kernel of bundle `directory` (built by `attngen build -o DIR`): spec `name` (needed when the
     bundle holds several), or the entry of `spec` (used by attngen.compile(..., bundle=DIR)); the build for
     `target` (a name), else the one for the live GPU's architecture. On a GPU
     matching the build, the kernels launch the bundle's binaries with no compilation; otherwise (see the
-    module doc for the checks) a BundleWarning says why and the spec is compiled just in time, or, with
-    strict=True, BundleError is raised. `kernel.bundle` tells what happened."""
+    module doc for the checks) a BundleWarning says why and the spec is compiled just in time (its module cached in
+    `cache_dir`, default the kernel cache), or, with strict=True, BundleError is raised. `kernel.bundle` tells what
+    happened."""
     from . import runtime
     from .canonical import spec_hash as hash_of
     from .check import load_spec
@@ -842,7 +843,7 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
     try:
         entry = _choose(manifest, directory, name, wanted_hash, arch, None if target in (None, "auto") else target)
     except LookupError as err:  # compile(spec, bundle=...): the bundle lacks this spec
-        return _fallback(spec, target, directory, None, str(err), strict)
+        return _fallback(spec, target, directory, None, str(err), strict, cache_dir)
     spec_obj = spec if spec is not None else load_spec(entry["spec"], f"{directory / MANIFEST} ({entry['name']})")
     where = f"bundle {directory} ({entry['name']} for {entry['target']})"
 
@@ -873,7 +874,7 @@ def load(directory, name: str | None = None, *, strict: bool = False, spec=None,
         have = ", ".join(f"{e['target']} (sm_{e['arch']})" for e in manifest["entries"] if e["name"] == entry["name"])
         reason = f"this GPU ({device}) is sm_{arch}; the bundle has {entry['name']} for {have}"
     if reason is not None:  # compile just in time: for the live GPU if there is one, else for the bundle's target
-        return _fallback(spec_obj, target or ("auto" if arch is not None else entry["target"]), directory, entry, reason, strict)
+        return _fallback(spec_obj, target or ("auto" if arch is not None else entry["target"]), directory, entry, reason, strict, cache_dir)
 
     stats = BundleStats()
     tag = f"{entry['name']}_{entry['target'].replace('-', '_')}"
@@ -913,13 +914,13 @@ def _import_with_binaries(name: str, path: Path, text: str, kernels: list[dict],
     return module
 
 
-def _fallback(spec, target, directory: Path, entry: dict | None, reason: str, strict: bool):
+def _fallback(spec, target, directory: Path, entry: dict | None, reason: str, strict: bool, cache_dir=None):
     from . import runtime
 
     where = f"bundle {directory}" + (f" ({entry['name']} for {entry['target']})" if entry else "")
     if strict:
         raise BundleError(f"{where} cannot be used: {reason} (strict=True)")
     warnings.warn(f"{where} not used: {reason}; compiling just in time", BundleWarning, stacklevel=3)
-    kern = runtime.compile(spec, target)
+    kern = runtime.compile(spec, target, cache_dir=cache_dir)
     kern.bundle = BundleInfo(directory, entry["name"] if entry else spec.name, entry["target"] if entry else str(target), False, reason, BundleStats())
     return kern

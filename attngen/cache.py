@@ -50,10 +50,15 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise
 
 
+def module_path(name: str, key: str, directory: Path | None = None) -> Path:
+    """Where the cached module for `key` lives in `directory` (default: cache_dir())."""
+    return (directory or cache_dir()) / f"{name}_{key[:20]}.py"
+
+
 def store(name: str, key: str, source: str, directory: Path | None = None) -> Path:
     """The path of the cached module for `key`, (re)written if missing or not byte-identical to `source`."""
     directory = directory or cache_dir()
-    path = directory / f"{name}_{key[:20]}.py"
+    path = module_path(name, key, directory)
     try:
         if path.is_file() and path.read_text(encoding="utf-8") == source:
             return path

@@ -30,11 +30,13 @@ def _import(path: Path) -> ModuleType:
 
 
 def load_module(name: str, key: str, source: str, cache_dir: Path | None = None) -> ModuleType:
-    """The generated module of `key`: imported once per process, from the disk cache."""
+    """The generated module of `key`: imported once per process, from the disk cache; written into `cache_dir`
+    (default: cache.cache_dir()) whichever directory it was first imported from."""
     with lock:
+        path = cache.store(name, key, source, cache_dir)
         module = _modules.get(key)
         if module is None:
-            module = _import(cache.store(name, key, source, cache_dir))
+            module = _import(path)
             _modules[key] = module
     return module
 

@@ -16,6 +16,7 @@ from torch import Tensor  # at module scope: the custom ops' annotations are rea
 
 from . import fp8, kvcache
 from .blocks import block_lists
+from .cache import module_path
 from .check import read_spec
 from .decode import decode_shape, takes_plain_call
 from .dtypes import TORCH_DTYPES
@@ -984,7 +985,7 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
     key, source = build_source(kernel_plan)
     cache_path = Path(cache_dir) if cache_dir else None
     module = load_module(spec_obj.name, key, source, cache_path)
-    kern = Kernel(spec_obj, kernel_plan, source, Path(module.__file__), module)
+    kern = Kernel(spec_obj, kernel_plan, source, module_path(spec_obj.name, key, cache_path), module)
     kern.generator = choice
     if choice.gluon is not None:
         key, kern.gluon_source = build_gluon_source(choice.gluon)

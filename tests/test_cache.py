@@ -1,14 +1,18 @@
 """The disk cache: keyed by everything that changes the source, written atomically, checked on load."""
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
+import attngen
 from attngen import cache
 from attngen.check import load_spec
 from attngen.plan import plan
 from attngen.codegen.triton import build_source
 from attngen.codegen.triton.render import TEMPLATES
+
+ROOT = Path(__file__).parent.parent
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
@@ -79,3 +83,23 @@ def test_concurrent_writers_never_expose_a_partial_file(tmp_path):
     for t in threads:
         t.join()
     assert all(s in texts for s in seen)
+
+
+def test_cache_dir_is_where_the_module_goes_even_when_imported_before(tmp_path):
+    """compile(..., cache_dir=B) after compile(..., cache_dir=A) of the same spec in one process: the module is
+    imported once, but written into B too, and kern.path is B's file; a bundle's just-in-time fallback uses
+    cache_dir as well (it dropped it)."""
+    import warnings
+
+    from attngen import bundle
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    first = attngen.compile(ROOT / "specs" / "causal.attn", "h100", cache_dir=a)
+    second = attngen.compile(ROOT / "specs" / "causal.attn", "h100", cache_dir=b)
+    assert first.module is second.module
+    assert first.path.parent == a and second.path.parent == b and second.path.read_text() == first.path.read_text()
+    bundle.build([ROOT / "specs" / "dense.attn"], ["h100"], tmp_path / "bt", binaries=False, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", attngen.BundleWarning)  # no GPU here: the bundle is not used
+        kern = attngen.compile(ROOT / "specs" / "dense.attn", bundle=tmp_path / "bt", cache_dir=c)
+    assert kern.bundle.used is False and kern.path.parent == c and kern.path.is_file()
