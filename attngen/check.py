@@ -38,7 +38,12 @@ SETTINGS = (
 # Settings that may say `auto`: measured on the GPU (attngen/tune.py) rather than derived from the target.
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages")
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+MAX_NAME = 64  # characters of a spec's or an input's name (they name files, modules and kernel arguments)
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,%d}$" % (MAX_NAME - 1))
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= MAX_NAME + 8 else name[:MAX_NAME] + "..."
 # Names an input may not take: language words, kernel arguments and the call's own keywords.
 RESERVED = (
     set(keyword.kwlist)
@@ -99,7 +104,9 @@ def _choice(s: Setting, options: tuple[str, ...]) -> str:
 
 def _check_input(decl: InputDecl) -> None:
     if not _IDENT.match(decl.name) or decl.name in RESERVED:
-        raise SpecError(f"{decl.name!r} cannot name an input (reserved word or not an identifier)", decl.span)
+        why = (f"names are at most {MAX_NAME} characters" if len(decl.name) > MAX_NAME and _IDENT.match(decl.name[:MAX_NAME])
+               else "a reserved word" if decl.name in RESERVED else "not an identifier")
+        raise SpecError(f"{_short(decl.name)!r} cannot name an input ({why})", decl.span)
     if decl.dtype not in INPUT_DTYPES:
         raise SpecError(f"input element type must be one of: {_names(INPUT_DTYPES)}; got {decl.dtype!r}" + _suggest(decl.dtype, INPUT_DTYPES), decl.dtype_span)
     for d in decl.dims:
@@ -133,6 +140,7 @@ def _check_arithmetic(e: Expr, scope: ex.Scope) -> None:
 
 FLOAT32_MAX = (2 - 2**-23) * 2**127
 FLOAT32_TINY = 2**-126  # the smallest normal float32
+LOG2E = 1.4426950408889634  # the kernels' exp2: a score's scale enters as scale * log2(e)
 
 
 def _check_constant(e: Expr, scope: ex.Scope) -> None:
@@ -175,7 +183,8 @@ def build(parsed: ParsedSpec, text: str | None = None, filename: str | None = No
 
 def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
     if not _IDENT.match(parsed.name):
-        raise SpecError(f"bad attention name {parsed.name!r}", parsed.name_span)
+        why = f"names are at most {MAX_NAME} characters" if len(parsed.name) > MAX_NAME else "not an identifier"
+        raise SpecError(f"bad attention name {_short(parsed.name)!r} ({why})", parsed.name_span)
     seen: dict[str, Setting] = {}
     for s in parsed.settings:
         if s.key not in SETTINGS:
@@ -204,6 +213,9 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
             n = _number(s)
             if n is None or not (0 < float(n) < float("inf")):
                 raise SpecError("scale must be a positive number or auto (1/sqrt(head_dim))", s.value.span)
+            if not FLOAT32_TINY <= float(n) * LOG2E <= FLOAT32_MAX:  # the kernels fold scale * log2(e) into one float32
+                raise SpecError(f"scale = {n} is outside float32's range once multiplied by log2(e), as the kernels use it "
+                                f"(from {FLOAT32_TINY / LOG2E:.4g} to {FLOAT32_MAX / LOG2E:.4g})", s.value.span)
             values["scale"] = float(n)
     if "dropout" in seen:
         s = seen["dropout"]

@@ -138,6 +138,8 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     (attngen.fp8); the inputs are dequantized, then computed in `dtype`. fp8_p=True also rounds P to e4m3 as the
     FP8 kernels do before P V (relative to each row's maximum): the naive model of their error.
     """
+    _check_arguments(getattr(spec, "spec", spec), q, k, v, inputs, plain=cu_seqlens_q is None and cu_seqlens_k is None and kv_lens is None
+                     and q_lens is None and block_table is None)
     dtype = dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
     if k.dtype == torch.float8_e4m3fn and q.dtype != torch.float8_e4m3fn:  # FP8 key/value caches (kv_dtype = fp8)
         from . import fp8
@@ -172,6 +174,28 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     vf = v.to(dtype).repeat_interleave(Hq // Hkv, dim=1) if Hq != Hkv else v.to(dtype)
     out = torch.matmul(p, vf)
     return (out, lse) if return_lse else out
+
+
+def _check_arguments(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: dict, plain: bool) -> None:
+    """The InputErrors a kernel call would raise for what the reference reads: the spec's declared inputs by name,
+    and (a plain call) q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Hq a multiple of Hkv."""
+    from .errors import InputError
+
+    declared = [d.name for d in spec.inputs]
+    missing = [n for n in declared if n not in inputs]
+    if missing:
+        raise InputError(f"spec {spec.name} declares input {missing[0]!r}: pass it as reference(..., {missing[0]}=tensor)")
+    unknown = sorted(set(inputs) - set(declared) - ({"block_mask"} if spec.sparsity == "runtime" else set()))
+    if unknown:
+        raise InputError(f"spec {spec.name} declares no input {unknown[0]!r}" + (f" (it declares {', '.join(declared)})" if declared else ""))
+    if not plain:
+        return
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise InputError(f"q, k, v must be 4-D (B, H, N, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise InputError(f"q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) must agree; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise InputError(f"the query heads ({q.shape[1]}) must be a multiple of the key/value heads ({k.shape[1]})")
 
 
 def probabilities(spec, q: torch.Tensor, k: torch.Tensor, *, dtype: torch.dtype | None = None, **inputs: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,8 @@ BAD = [
     ("attention t { head_dim = 64 maks = true }", "unknown setting 'maks'; did you mean 'mask'?"),
     ("attention t { head_dim = 64 dtype = bf32 }", "dtype must be one of: fp16, bf16, fp32, fp8; got 'bf32'"),
     ("attention t { head_dim = 64 scale = -1.0 }", "scale must be a positive number or auto"),
+    ("attention t { head_dim = 64 scale = 1e39 }", "outside float32's range once multiplied by log2"),  # was all-NaN output
+    ("attention t { head_dim = 64 scale = 1e-45 }", "outside float32's range once multiplied by log2"),
     ("attention t { head_dim = 64 dropout = 1.0 }", "dropout must be a probability in [0, 1)"),
     ("attention t { head_dim = 64 loop_order = kv_first }", "loop_order must be one of: q_outer, kv_outer"),
     ("attention t { head_dim = 64 target = h1000 }", "target must be one of: auto, t4"),
@@ -133,3 +135,13 @@ def test_error_span_is_the_value_not_the_line():
         load_spec(text, "x.attn")
     assert str(info.value).startswith("x.attn:3:10: error:")
     assert str(info.value).splitlines()[-1] == "    " + " " * 9 + "^" * len("q_idx + 1")
+
+
+def test_names_longer_than_the_limit_say_so():
+    """A spec's or an input's name over 64 characters: the message gives the limit (it said 'not an identifier')."""
+    with pytest.raises(SpecError, match="bad attention name 'a{64}\\.\\.\\.' \\(names are at most 64 characters\\)"):
+        load_spec("attention " + "a" * 80 + " { head_dim = 16 }")
+    with pytest.raises(SpecError, match="cannot name an input \\(names are at most 64 characters\\)"):
+        load_spec("attention t { head_dim = 16 input " + "x" * 70 + ": int32[B] }")
+    with pytest.raises(SpecError, match="'q_idx' cannot name an input \\(a reserved word\\)"):
+        load_spec("attention t { head_dim = 16 input q_idx: int32[B] }")

@@ -212,3 +212,24 @@ def test_readme_cpu_example_runs(device):
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "TargetWarning" in run.stderr or torch.cuda.is_available()
+
+
+def test_the_reference_refuses_what_a_call_refuses():
+    """attngen.reference takes a call's arguments, so it raises a call's InputErrors: a declared input missing or
+    misspelled, q, k, v that do not agree, query heads not a multiple of the key/value heads (a KeyError and raw
+    torch errors before)."""
+    import attngen
+    from attngen.errors import InputError
+
+    kern = attngen.compile(ROOT / "specs" / "document.attn", "h100")
+    q = torch.randn(1, 2, 8, kern.spec.head_dim)
+    doc = torch.zeros(1, 8, dtype=torch.int32)
+    with pytest.raises(InputError, match="declares input 'doc': pass it as reference"):
+        attngen.reference(kern, q, q, q)
+    with pytest.raises(InputError, match="declares no input 'docs' \\(it declares doc\\)"):
+        attngen.reference(kern, q, q, q, doc=doc, docs=doc)
+    with pytest.raises(InputError, match="must agree"):
+        attngen.reference(kern, q, q[:, :, :4], q, doc=doc)
+    with pytest.raises(InputError, match="query heads \\(3\\) must be a multiple of the key/value heads \\(2\\)"):
+        attngen.reference(kern, torch.randn(1, 3, 8, kern.spec.head_dim), q, q, doc=doc)
+    assert not torch.isnan(attngen.reference(kern, q, q, q, doc=doc)).any()
