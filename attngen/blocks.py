@@ -38,6 +38,8 @@ def block_mask_from_dense(mask: torch.Tensor, sparse_block: int = 128) -> torch.
     mask applied otherwise), attention is unchanged and the empty blocks are skipped."""
     if mask.dtype != torch.bool or mask.dim() < 2:
         raise InputError(f"block_mask_from_dense needs a bool tensor (..., Nq, Nk), got {mask.dtype} of shape {tuple(mask.shape)}")
+    if isinstance(sparse_block, bool) or not isinstance(sparse_block, int) or sparse_block < 1:
+        raise InputError(f"sparse_block must be a positive integer (the spec's sparse_block), got {sparse_block!r}")
     *lead, nq, nk = mask.shape
     rows, cols = -(-nq // sparse_block), -(-nk // sparse_block)
     padded = mask.new_zeros(*lead, rows * sparse_block, cols * sparse_block)

@@ -295,11 +295,25 @@ def load_spec(text: str, filename: str | None = None) -> Spec:
     return build(parse(text, filename), text, filename)
 
 
+def _looks_like_text(spec: str) -> bool:
+    """Spec text rather than a path: not the name of an existing file (a path may hold braces or spaces), and
+    it starts with the keyword `attention` and a space (after comments and blank lines) or holds a `{`."""
+    try:
+        if "\n" not in spec and Path(spec).is_file():
+            return False
+    except (OSError, ValueError):  # too long or not a path at all
+        return True
+    body = "\n".join(line for line in spec.splitlines() if not line.lstrip().startswith("#")).lstrip()
+    return "{" in spec or (body.startswith("attention") and len(body) > 9 and body[9].isspace())
+
+
 def read_spec(spec: Spec | str | os.PathLike) -> Spec:
     """A Spec from a Spec, a path to a .attn file, or spec text."""
     if isinstance(spec, Spec):
         return spec
-    if isinstance(spec, os.PathLike) or ("{" not in str(spec)):
+    if not isinstance(spec, (str, os.PathLike)):
+        raise AttngenError(f"a spec is a Spec, spec text or the path of a .attn file; got {type(spec).__name__}")
+    if isinstance(spec, os.PathLike) or not _looks_like_text(spec):
         path = Path(spec)
         try:
             text = path.read_text(encoding="utf-8")

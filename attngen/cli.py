@@ -197,7 +197,7 @@ def cmd_plot(args) -> int:
     except RuntimeError as err:  # no matplotlib, no rows
         print(f"attngen plot: {err}", file=sys.stderr)
         return 1
-    except (KeyError, TypeError) as err:  # a row without the fields bench writes
+    except (KeyError, TypeError, AttributeError) as err:  # a row without the fields bench writes, or not a record
         print(f"attngen plot: {args.results}: malformed row ({err!r})", file=sys.stderr)
         return 1
     print(f"wrote {args.output}")

@@ -25,7 +25,11 @@ def dropout_mask(seed: int | torch.Tensor, dropout_p: float, batch: int, heads: 
     Kept probabilities are scaled by 1 / (1 - dropout_probability(dropout_p)). `seed`: an int, or the one-element
     int64 tensor a kernel was called with (its value is read here)."""
     if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype != torch.int64:
+            raise InputError(f"seed must be a one-element int64 tensor or an int, got a {seed.dtype} tensor of shape {tuple(seed.shape)}")
         seed = int(seed.item())
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise InputError(f"seed must be a non-negative integer below 2**63 (as a kernel call takes it), got {seed!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise InputError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
     device = torch.device(device)

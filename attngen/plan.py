@@ -209,6 +209,8 @@ def resolve_target(spec: Spec, target: str | Target | None) -> Target:
     Triton's interpreter, whatever GPU they were planned for)."""
     if isinstance(target, Target):
         return target
+    if target is not None and not isinstance(target, str):
+        raise PlanError(f"target must be a GPU's name (`attngen targets` lists them) or 'auto', got {target!r}")
     name = target or spec.target
     if name == "auto":
         import torch

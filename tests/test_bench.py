@@ -149,6 +149,9 @@ def test_plot_command_reads_bench_json(tmp_path, capsys):
     assert "not an `attngen bench --json` file" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "missing.json")]) == 1
     assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "numbers.json").write_text(json.dumps({"rows": [1, 2]}))  # rows that are not records
+    assert main(["plot", str(tmp_path / "numbers.json"), "-o", str(tmp_path / "x.png")]) == 1
+    assert "malformed row" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
 
 

@@ -145,3 +145,22 @@ def test_names_longer_than_the_limit_say_so():
         load_spec("attention t { head_dim = 16 input " + "x" * 70 + ": int32[B] }")
     with pytest.raises(SpecError, match="'q_idx' cannot name an input \\(a reserved word\\)"):
         load_spec("attention t { head_dim = 16 input q_idx: int32[B] }")
+
+
+def test_spec_text_and_paths_are_told_apart(tmp_path):
+    """compile()/read_spec take spec text or a path: a path with braces or spaces that exists is read as a file,
+    text that starts with `attention` is parsed (its syntax error shown, not 'no such spec file')."""
+    from attngen.check import read_spec
+    from attngen.errors import AttngenError, SpecSyntaxError
+
+    braces = tmp_path / "exp{1} v2" / "small.attn"
+    braces.parent.mkdir()
+    braces.write_text("attention small { head_dim = 16 }")
+    assert read_spec(str(braces)).name == "small"
+    with pytest.raises(SpecSyntaxError, match="expected '{'"):
+        read_spec("attention x head_dim = 16")
+    assert read_spec("# a comment\nattention y { head_dim = 16 }").name == "y"
+    with pytest.raises(AttngenError, match="no such spec file: attention.attn"):
+        read_spec("attention.attn")
+    with pytest.raises(AttngenError, match="a spec is a Spec, spec text or the path"):
+        read_spec(42)

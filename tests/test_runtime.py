@@ -233,3 +233,20 @@ def test_the_reference_refuses_what_a_call_refuses():
     with pytest.raises(InputError, match="query heads \\(3\\) must be a multiple of the key/value heads \\(2\\)"):
         attngen.reference(kern, torch.randn(1, 3, 8, kern.spec.head_dim), q, q, doc=doc)
     assert not torch.isnan(attngen.reference(kern, q, q, q, doc=doc)).any()
+
+
+def test_helpers_check_their_arguments():
+    """target= that is not a name, a dropout seed a kernel call would refuse, a block size of 0: typed errors
+    saying what was expected (an AttributeError, an interpreter assertion and a ZeroDivisionError before)."""
+    import attngen
+    from attngen.errors import InputError, PlanError
+
+    with pytest.raises(PlanError, match="target must be a GPU's name"):
+        attngen.compile(ROOT / "specs" / "causal.attn", target=90)
+    for seed in (-5, 1.5, True):
+        with pytest.raises(InputError, match="seed must be a non-negative integer below 2\\*\\*63"):
+            attngen.dropout_mask(seed, 0.1, 1, 1, 4, 4)
+    with pytest.raises(InputError, match="seed must be a one-element int64 tensor"):
+        attngen.dropout_mask(torch.tensor([1, 2]), 0.1, 1, 1, 4, 4)
+    with pytest.raises(InputError, match="sparse_block must be a positive integer"):
+        attngen.block_mask_from_dense(torch.ones(4, 4, dtype=torch.bool), 0)
