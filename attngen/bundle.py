@@ -534,7 +534,8 @@ def build(specs, targets: list[str], out_dir, *, jobs: int | None = None, binari
             try:
                 p = make_plan(spec, target)
             except PlanError as err:
-                raise PlanError(f"{spec.filename or spec.name} for {target}: {err}") from None
+                text = str(err)  # (the plan's message starts with the spec's name, which the file stands for here)
+                raise PlanError(f"{spec.filename or spec.name} for {target}: {text.removeprefix(spec.name + ': ')}") from None
             if binaries and p.target.arch < 75:
                 raise BundleError(f"{spec.name} for {target}: Triton {versions()['triton']} compiles for compute capability 7.5 "
                                   f"and newer; {p.target.full_name} is {p.target.arch / 10:.1f}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -9,6 +10,17 @@ from pathlib import Path
 from .errors import AttngenError, PlanError, SourceError
 
 EXIT_SPEC = 2
+
+
+@contextlib.contextmanager
+def _in_file(spec):
+    """A PlanError raised while planning `spec` names its file (as `attngen build` does), not only the spec."""
+    try:
+        yield
+    except PlanError as err:
+        if not spec.filename:
+            raise
+        raise PlanError(f"{spec.filename}: {str(err).removeprefix(spec.name + ': ')}") from None
 
 
 def _specs(paths: list[str]):
@@ -53,7 +65,8 @@ def cmd_plan(args) -> int:
     from .plan import plan
 
     for spec in _specs(args.spec):
-        p = plan(spec, args.target)
+        with _in_file(spec):
+            p = plan(spec, args.target)
         choice = choose(spec, p)
         print(p.describe())
         print(f"\ngenerator: {choice.describe()}")
@@ -136,7 +149,8 @@ def cmd_check(args) -> int:
     for spec, dtypes in runs:
         results = []
         for dtype in dtypes:
-            kernel = compile_spec(replace(spec, dtype=DType(dtype)), args.target or ("h100" if args.device == "cpu" else None))
+            with _in_file(spec):
+                kernel = compile_spec(replace(spec, dtype=DType(dtype)), args.target or ("h100" if args.device == "cpu" else None))
             for shape in shapes:
                 done += 1
                 print(f"attngen check [{done}/{total}]: {spec.filename or spec.name}, {dtype}, (B,Hq,Hkv,Nq,Nk) = {shape} on {args.device}",

@@ -41,9 +41,14 @@ def test_spec_error_exits_2_and_writes_nothing(tmp_path, capsys):
 
 
 def test_plan_error_exits_2(tmp_path, capsys):
-    assert main(["build", str(ROOT / "specs" / "causal.attn"), "--target", "t4", "-o", str(tmp_path / "o")]) == 2
-    assert "bf16 needs compute capability 8.0" in capsys.readouterr().err
+    """A spec that cannot run on the target: every command names the spec's file."""
+    path = ROOT / "specs" / "causal.attn"
+    assert main(["build", str(path), "--target", "t4", "-o", str(tmp_path / "o")]) == 2
+    assert f"{path} for t4: bf16 needs compute capability 8.0" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    for command in (["plan"], ["check", "--quick"]):
+        assert main([command[0], str(path), "--target", "t4", *command[1:]]) == 2
+        assert f"attngen: cannot plan: {path}: bf16 needs compute capability 8.0" in capsys.readouterr().err
 
 
 def test_plan_prints_the_derivation(capsys):
