@@ -7,6 +7,7 @@ Python numbers with `repr`, which cannot produce anything but a number.
 """
 from __future__ import annotations
 
+import keyword
 import math
 from dataclasses import dataclass, field
 
@@ -81,7 +82,9 @@ def typeof(e: Expr, scope: Scope) -> Type:
         decl = scope.inputs.get(e.input)
         if decl is None:
             known = ", ".join(sorted(scope.inputs)) or "none declared"
-            raise SpecError(f"{e.input!r} is not a declared input (inputs: {known}); declare it with `input {e.input}: int32[B, N]`", e.span)
+            name = e.input if e.input.isidentifier() and not keyword.iskeyword(e.input) and e.input not in ("input", "attention") else "ids"
+            raise SpecError(f"{e.input!r} is not a declared input (inputs: {known}); declare it with `input {name}: int32[B, N]`"
+                            + ("" if name == e.input else f" and index `{name}[...]` ({e.input!r} is reserved)"), e.span)
         if len(e.indices) != len(decl.dims):
             raise SpecError(f"input {e.input!r} has {len(decl.dims)} dimension(s), indexed with {len(e.indices)}", e.span)
         for idx in e.indices:

@@ -69,6 +69,7 @@ BAD = [
     ("attention t { head_dim = 64 mask = score > 0 }", "'score' cannot be used in mask"),
     ("attention t { head_dim = 64 mask = q_blk > 0 }", "'q_blk' cannot be used in mask"),
     ("attention t { head_dim = 64 mask = foo > 0 }", "unknown name 'foo' in mask"),
+    ("attention t { head_dim = 64 mask = input[b, q_idx] > 0 }", "declare it with `input ids: int32[B, N]` and index `ids[...]` ('input' is reserved)"),
     ("attention t { head_dim = 64 mask = q_idx and kv_idx }", "`and` needs booleans, got int"),
     ("attention t { head_dim = 64 mask = not q_idx }", "`not` needs a boolean, got int"),
     ("attention t { head_dim = 64 mask = (q_idx > 1) + 1 > 0 }", "`+` needs numbers, got bool"),
