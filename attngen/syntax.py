@@ -188,7 +188,9 @@ def parse(text: str, filename: str | None = None) -> ParsedSpec:
         else:
             span = _tok_span(tok)
         msg = f"unexpected {_describe(tok)}; {_expected(err, parser)}".rstrip("; ")
-        if tok.type == "COMP_OP":
+        if tok.type == "COMP_OP" and tok.start_pos and text[tok.start_pos - 1] in "<>=!":  # `>>=`, `=<`: one operator misspelled
+            msg += f" ({text[tok.start_pos - 1]}{tok.value!s} is no operator; comparisons are <, <=, >, >=, ==, !=)"
+        elif tok.type == "COMP_OP":
             msg += " (comparisons do not chain: write `a < b and b < c`)"
         raise SpecSyntaxError(msg, span, text, filename) from None
     except UnexpectedCharacters as err:

@@ -92,6 +92,7 @@ def test_spans_point_at_source():
         ("attn t { }", 1, 1, ["expected 'attention'"]),
         ("attention t { head_dim 64 }", 1, 24, ["expected '='"]),
         ("attention t { mask = a < b < c }", 1, 28, ["comparisons do not chain"]),
+        ("attention t { mask = q_idx >>= kv_idx }", 1, 29, [">>= is no operator; comparisons are <, <=, >, >=, ==, !="]),
         ("attention t { mask = (a < b }", 1, 29, ["expected ')'"]),
         ("attention t { input d: int32[B,] }", 1, 32, ["unexpected ']'"]),
         ("attention t { mask = q_idx", 1, 27, ["unexpected end of text"]),
