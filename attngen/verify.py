@@ -185,9 +185,16 @@ def _check_serving(kernel, shape: tuple, device: str, seed: int) -> Result:
 
 
 def _check_fp8(kernel, shape: tuple, device: str, seed: int) -> Result:
-    """A `dtype = fp8` spec (forward only): Q and K quantized per 128-token block with the Hadamard rotation, V per
-    head (attngen.fp8.quantize); O and the lse against float64 attention of the dequantized values. The naive model
-    of the kernels' error rounds P to e4m3 as they do and O to bf16."""
+    """A `dtype = fp8` spec (forward only): fp8_case's tensors, the naive model's O rounded to bf16 as the kernels'."""
+    out, lse, ref, ref_lse, naive = fp8_case(kernel, shape, device, seed)
+    return _forward_result(shape, kernel.spec, out, lse, naive.to(torch.bfloat16), ref, ref_lse)
+
+
+def fp8_case(kernel, shape: tuple, device: str, seed: int = 0, granularity: str = "block"):
+    """One call of a `dtype = fp8` spec's forward on random values of `shape` (B, Hq, Hkv, Nq, Nk): Q and K quantized
+    per `granularity` (attngen.fp8.quantize) with the Hadamard rotation where head_dim is a power of two, V per
+    head; (O, lse, the float64 attention of the dequantized values and its lse, the naive model of the kernels'
+    error: float64 attention with P rounded to e4m3 as they round it)."""
     from . import fp8
 
     spec = kernel.spec
@@ -196,15 +203,15 @@ def _check_fp8(kernel, shape: tuple, device: str, seed: int) -> Result:
     q = torch.randn(B, Hq, Nq, spec.head_dim, generator=gen).to(device)
     k, v = (torch.randn(B, Hkv, Nk, spec.head_dim, generator=gen).to(device) for _ in range(2))
     hadamard = spec.head_dim & (spec.head_dim - 1) == 0
-    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize(q, "block", hadamard), fp8.quantize(k, "block", hadamard), fp8.quantize(v, "head"))
+    (q8, qs), (k8, ks), (v8, vs) = fp8.quantize(q, granularity, hadamard), fp8.quantize(k, granularity, hadamard), fp8.quantize(v, "head")
     scales = {"q_descale": qs, "k_descale": ks, "v_descale": vs}
     inputs = make_inputs(spec, B, Hq, Nq, Nk, device, gen)
     drop = {"dropout_p": spec.dropout, "seed": 1000 + seed} if spec.dropout > 0.0 else {}
     with torch.no_grad():
         out, lse = kernel(q8, k8, v8, return_lse=True, **scales, **drop, **inputs)
     ref, ref_lse = reference(spec, q8, k8, v8, return_lse=True, dtype=torch.float64, **scales, **drop, **inputs)
-    naive = reference(spec, q8, k8, v8, dtype=torch.float64, fp8_p=True, **scales, **drop, **inputs).to(torch.bfloat16)
-    return _forward_result(shape, spec, out, lse, naive, ref, ref_lse)
+    naive = reference(spec, q8, k8, v8, dtype=torch.float64, fp8_p=True, **scales, **drop, **inputs)
+    return out, lse, ref, ref_lse, naive
 
 
 def _forward_result(shape: tuple, spec, out, lse, naive, ref, ref_lse) -> Result:

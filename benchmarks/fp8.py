@@ -25,7 +25,7 @@ import torch
 import triton
 
 import attngen
-from attngen import fp8
+from attngen import fp8, verify
 from attngen.check import load_spec
 from attngen.spec import DType
 
@@ -43,19 +43,8 @@ def spec_text(mask, d, score=None, inputs=""):
 
 def check(name, text, n=2048, heads=8, kv_heads=2, backend=None):
     kern = attngen.compile(text, backend=backend)
-    d = kern.spec.head_dim
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, heads, n, d, generator=gen, device="cuda")
-    k, v = (torch.randn(1, kv_heads, n, d, generator=gen, device="cuda") for _ in range(2))
-    inputs = {"slopes": torch.rand(heads, device="cuda") * 0.05} if "slopes" in text else {}
-    q8, qd = fp8.quantize(q, "block", hadamard=True)
-    k8, kd = fp8.quantize(k, "block", hadamard=True)
-    v8, vd = fp8.quantize(v, "head")
-    scales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
-    with torch.no_grad():
-        o, lse = kern(q8, k8, v8, return_lse=True, **scales, **inputs)
-    ref, ref_lse = attngen.reference(kern, q8, k8, v8, dtype=torch.float64, return_lse=True, **scales, **inputs)
-    naive = attngen.reference(kern, q8, k8, v8, dtype=torch.float64, fp8_p=True, **scales, **inputs)
+    # Q and K per 128-token block with the Hadamard rotation, V per head; the spec's inputs as `attngen check` makes them
+    o, lse, ref, ref_lse, naive = verify.fp8_case(kern, (1, heads, kv_heads, n, n), "cuda")
     err = (o.double() - ref).abs().max().item()
     naive_err = (naive - ref).abs().max().item()
     bound = 2 * naive_err + 1e-2 * ref.abs().max().item()  # the floor: bf16 rounding of O

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attngen
-from attngen import fp8
+from attngen import fp8, verify
 from attngen.check import load_spec
 from attngen.codegen.gluon import choose
 from attngen.errors import InputError, PlanError
@@ -248,18 +248,7 @@ def test_fp8_kernels_on_the_gpu_against_float64(name, granularity, device):
     _gpu_only(device)
     kern = attngen.compile(GPU_SPECS[name])
     assert kern.generator.generator == ("gluon" if "Gluon" in name else "triton")
-    d, n = kern.spec.head_dim, 1000
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    q = torch.randn(2, 8, n, d, generator=gen, device="cuda")
-    k, v = (torch.randn(2, 2, n, d, generator=gen, device="cuda") for _ in range(2))
-    inputs = {"slopes": torch.rand(8, generator=gen, device="cuda") * 0.05} if "slopes" in GPU_SPECS[name] else {}
-    (q8, qd), (k8, kd) = fp8.quantize(q, granularity, hadamard=True), fp8.quantize(k, granularity, hadamard=True)
-    v8, vd = fp8.quantize(v, "head")
-    scales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
-    with torch.no_grad():
-        o, lse = kern(q8, k8, v8, return_lse=True, **scales, **inputs)
-    ref, ref_lse = attngen.reference(kern, q8, k8, v8, dtype=torch.float64, return_lse=True, **scales, **inputs)
-    naive = attngen.reference(kern, q8, k8, v8, dtype=torch.float64, fp8_p=True, **scales, **inputs)
+    o, lse, ref, ref_lse, naive = verify.fp8_case(kern, (2, 8, 2, 1000, 1000), device, seed=5, granularity=granularity)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     err, naive_err = (o.double() - ref).abs().max().item(), (naive - ref).abs().max().item()
     assert err <= 2 * naive_err + 1e-2 * ref.abs().max().item(), (err, naive_err)
