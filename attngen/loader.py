@@ -33,8 +33,10 @@ def load_module(name: str, key: str, source: str, cache_dir: Path | None = None)
     """The generated module of `key`: imported once per process, from the disk cache; written into `cache_dir`
     (default: cache.cache_dir()) whichever directory it was first imported from."""
     with lock:
-        path = cache.store(name, key, source, cache_dir)
         module = _modules.get(key)
+        if module is not None and Path(module.__file__) == cache.module_path(name, key, cache_dir):
+            return module  # imported from this very file: no disk access (dropout_mask asks on every call)
+        path = cache.store(name, key, source, cache_dir)
         if module is None:
             module = _import(path)
             _modules[key] = module

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import blocks
+from .errors import InputError
 from .expr import FLOAT32_TINY, SCORE_VARS, Scope, typeof
 from .plan import effective_mask
 from .spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
@@ -176,26 +177,37 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
     return (out, lse) if return_lse else out
 
 
-def _check_arguments(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: dict, plain: bool) -> None:
-    """The InputErrors a kernel call would raise for what the reference reads: the spec's declared inputs by name,
-    and (a plain call) q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Hq a multiple of Hkv."""
-    from .errors import InputError
+def check_heads(Hq: int, Hkv: int) -> None:
+    """A call's heads (runtime.Kernel's check, and the reference's): at least one each, Hq a multiple of Hkv."""
+    if Hq == 0 or Hkv == 0:
+        raise InputError(f"q has {Hq} heads and k, v have {Hkv}: each needs at least one head")
+    if Hq % Hkv:
+        raise InputError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
 
+
+def check_input_names(spec, inputs: dict, extra: frozenset = frozenset()) -> None:
+    """A call's declared inputs by name (runtime.Kernel's check, and the reference's): none unknown (but `extra`),
+    none missing."""
     declared = [d.name for d in spec.inputs]
-    missing = [n for n in declared if n not in inputs]
-    if missing:
-        raise InputError(f"spec {spec.name} declares input {missing[0]!r}: pass it as reference(..., {missing[0]}=tensor)")
-    unknown = sorted(set(inputs) - set(declared) - ({"block_mask"} if spec.sparsity == "runtime" else set()))
+    unknown = sorted(set(inputs) - set(declared) - extra)
     if unknown:
-        raise InputError(f"spec {spec.name} declares no input {unknown[0]!r}" + (f" (it declares {', '.join(declared)})" if declared else ""))
+        raise InputError(f"unexpected argument(s) {', '.join(unknown)}; {spec.name!r} declares inputs: {', '.join(declared) or 'none'}")
+    for decl in spec.inputs:
+        if decl.name not in inputs:
+            raise InputError(f"missing input {decl.name!r} (declared `input {decl.name}: {decl.dtype}[{', '.join(map(str, decl.dims))}]`)")
+
+
+def _check_arguments(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: dict, plain: bool) -> None:
+    """The InputErrors a kernel call would raise for what the reference reads: the spec's declared inputs by name
+    (a runtime block mask beside them), and (a plain call) q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D)."""
+    check_input_names(spec, inputs, frozenset({"block_mask"}) if spec.sparsity == "runtime" else frozenset())
     if not plain:
         return
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise InputError(f"q, k, v must be 4-D (B, H, N, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise InputError(f"q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) must agree; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise InputError(f"the query heads ({q.shape[1]}) must be a multiple of the key/value heads ({k.shape[1]})")
+    check_heads(q.shape[1], k.shape[1])
 
 
 def probabilities(spec, q: torch.Tensor, k: torch.Tensor, *, dtype: torch.dtype | None = None, **inputs: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from .errors import InputError, PlanError
 from .expr import SCORE_VARS, Scope, input_reads
 from .layout import empty_like_layout
 from .loader import check_device, load_module
-from .naive import evaluate
+from .naive import check_heads, check_input_names, evaluate
 from .plan import KernelPlan, effective_mask
 from .plan import plan as make_plan
 from .ranges import MAX_EXTENT
@@ -138,24 +138,17 @@ class Kernel:
             raise InputError(f"q has batch {B}, k and v have {k.shape[0]}")
         else:
             Hkv, Nk = k.shape[1], k.shape[2]
-        if Hq == 0 or Hkv == 0:
-            raise InputError(f"q has {Hq} heads and k, v have {Hkv}: each needs at least one head")
-        if Hq % Hkv:
-            raise InputError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+        check_heads(Hq, Hkv)
         for what, n in (("batch size", B), ("number of query heads", Hq), ("query length", Nq), ("key length", Nk)):
             if n >= MAX_EXTENT:  # the integer analysis of the spec's expressions (ranges.py) assumes less
                 raise InputError(f"the {what} is {n}; attngen supports at most {MAX_EXTENT - 1} (2**30 - 1)")
         dims = _dims_of(q, k, varlen) if paged_kv is None else _Dims(B, Hq, Hkv, Nq, Nk)
 
+        check_input_names(spec, inputs)
         declared = [d.name for d in spec.inputs]
-        unknown = sorted(set(inputs) - set(declared))
-        if unknown:
-            raise InputError(f"unexpected argument(s) {', '.join(unknown)}; {spec.name!r} declares inputs: {', '.join(declared) or 'none'}")
         ordered = []
         bound: dict[str, int] = {"B": dims.batch, "H": Hq}
         for decl in spec.inputs:
-            if decl.name not in inputs:
-                raise InputError(f"missing input {decl.name!r} (declared `input {decl.name}: {decl.dtype}[{', '.join(map(str, decl.dims))}]`)")
             t = inputs[decl.name]
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {decl.name!r} must be a torch.Tensor, got {type(t).__name__}")
