@@ -167,9 +167,23 @@ def _slice_inputs(spec: Spec, inputs: dict, heads: int) -> dict:
     return out
 
 
+def random_documents(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """doc[b, i]: the document of token i, documents of 256-2048 tokens (the last one cut at n), int32: what packed
+    training batches hold (the test data of attngen.verify.make_inputs has documents of about 16 tokens)."""
+    rows = []
+    for _ in range(batch):
+        lengths = []
+        while sum(lengths) < n:
+            lengths.append(int(torch.randint(256, 2049, (1,), generator=gen)))
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:n])
+    return torch.stack(rows).to(torch.int32)
+
+
 def make_case(spec: Spec, seq: int, tokens: int = 16384, width: int = 2048, seed: int = 0):
     """Random CUDA inputs of one configuration, B = tokens // seq, H = width // head_dim: (q, k, v requiring grad,
-    dO, the spec's inputs, the call's other keywords (block_mask, dropout))."""
+    dO, the spec's inputs, the call's other keywords (block_mask, dropout)). An integer input of shape (B, N) is
+    taken for document ids: documents of 256-2048 tokens (random_documents); other inputs as `attngen check`
+    makes them."""
     from . import verify
     from .dtypes import TORCH_DTYPES
 
@@ -181,6 +195,9 @@ def make_case(spec: Spec, seq: int, tokens: int = 16384, width: int = 2048, seed
     for t in (q, k, v):
         t.requires_grad_()
     inputs = verify.make_inputs(spec, batch, heads, seq, seq, "cuda", torch.Generator().manual_seed(seed))
+    for decl in spec.inputs:
+        if decl.dtype.startswith("int") and tuple(decl.dims) == ("B", "N"):
+            inputs[decl.name] = random_documents(batch, seq, torch.Generator().manual_seed(seed)).to("cuda", TORCH_DTYPES[decl.dtype])
     block_mask_arg = inputs.pop("block_mask", None)
     extra = {"block_mask": block_mask_arg} if block_mask_arg is not None else {}
     if spec.dropout:

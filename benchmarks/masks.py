@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from attngen.bench import kept_fraction  # noqa: E402
+from attngen.bench import kept_fraction, random_documents  # noqa: E402,F401 (random_documents: for the other probes)
 from attngen.check import load_spec  # noqa: E402
 from attngen.spec import DType  # noqa: E402
 from harness import flex, matmul_tflops, measure, median_ms, time_fwd_bwd, versions  # noqa: E402
@@ -38,17 +38,6 @@ WINDOW = 1024
 def spec_of(name: str):
     spec = load_spec((ROOT / "specs" / f"{name}.attn").read_text(), f"specs/{name}.attn")
     return dataclasses.replace(spec, head_dim=D, dtype=DType.BF16)
-
-
-def random_documents(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """doc[b, i]: the document of token i, documents of 256-2048 tokens (the last one cut at n)."""
-    rows = []
-    for _ in range(batch):
-        lengths = []
-        while sum(lengths) < n:
-            lengths.append(int(torch.randint(256, 2049, (1,), generator=gen)))
-        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:n])
-    return torch.stack(rows).to(torch.int32)
 
 
 def main():
