@@ -21,9 +21,9 @@ def test_build_writes_one_module_per_spec_and_target(tmp_path, capsys):
     assert main(["build", str(ROOT / "specs" / "causal.attn"), str(ROOT / "specs" / "document.attn"), "--target", "h100", "--target", "a100",
                  "-o", str(tmp_path), "--no-binaries"]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
-    # on the H100 the Gluon generator renders causal's forward and document's (head_dim 64: for calls of 1024 keys or more): their modules too
-    assert names == ["causal_a100.py", "causal_h100.py", "causal_h100_gluon.py", "document_a100.py", "document_h100.py", "document_h100_gluon.py",
-                     "manifest.json"]
+    # on the H100 the Gluon generator renders causal's passes: its module too (not document's: at head_dim 64 auto
+    # takes the Triton generator for document masks, measured faster)
+    assert names == ["causal_a100.py", "causal_h100.py", "causal_h100_gluon.py", "document_a100.py", "document_h100.py", "manifest.json"]
     assert "wrote" in capsys.readouterr().out
     compile((tmp_path / "causal_h100.py").read_text(), "causal_h100.py", "exec")
     compile((tmp_path / "causal_h100_gluon.py").read_text(), "causal_h100_gluon.py", "exec")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ...errors import PlanError
 from ...expr import FLOAT_FUNCTIONS, children, input_reads, variables
 from ...plan import KernelPlan
-from ...spec import Backend, Call, DType, Spec
+from ...spec import Backend, Binary, Call, DType, Spec, Var
 from .lower import Untranslatable
 from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
 from .render import context
@@ -28,11 +28,24 @@ from ..lowering import bias_of
 # (causal) at 1024 keys, 1.16 / 1.07x and 1.13 / 1.21x at 2048; at 512 keys 1.05 / 0.96x and 0.86 / 0.89x, at 256
 # 1.04 / 0.89x and 0.80 / 0.87x. So under auto a call of such a spec with fewer keys than this takes the Triton
 # generator for both passes, and the Gluon generator's from there on.
+# The suite of session 23 (`attngen bench` of every variant at head_dim 128 and 64, N = 1024, 2048, 4096, 16384, both
+# generators in one process; BENCHMARKS.md, 2026-11-27 session 23) kept that for no mask and the causal mask (1.01-1.13x
+# forward, 1.04-1.09x backward at 1024 keys; ALiBi, causal with a bias, 1.04 / 1.26x) but found other masks at head_dim
+# 64 behind at 1024 keys (sliding window 0.91 / 0.99x, prefix-LM 0.91 / 0.94x, a block pattern 1.04 / 0.97x) and even
+# or ahead from 2048 (0.97 / 1.06x, 1.01 / 0.98x, 1.58 / 1.17x); and documents at head_dim 128 behind at 1024 keys
+# (forward 1.15x, the ordered backward 0.85x: 0.90x the time of both; the unordered backward 1.03x) and ahead from 2048
+# (1.18 / 1.05x).
 GLUON_MIN_KEYS = {64: 1024}
+MASKED_MIN_KEYS = 2048  # head_dim 64 with a mask other than causal's; documents (tile classes from the inputs) at 128
 MIN_KEYS_MEASURED = ("the Gluon kernels measured 0.80-1.05x the Triton generator's at 256 and 512 keys and 1.01-1.21x from 1024 "
                      "(head_dim 64, H100)")
+MASKED_MIN_KEYS_MEASURED = {64: "with a mask other than causal's at head_dim 64 the Gluon kernels measured 0.91-1.04x the Triton "
+                                "generator's forward and 0.94-0.99x its backward at 1024 keys, 0.97-1.58x and 0.98-1.17x at 2048 (H100)",
+                            128: "with a document mask at head_dim 128 the ordered Gluon backward measured 0.85x the Triton one at 1024 "
+                                 "keys (0.90x the time of both passes), 1.05x at 2048 (H100)"}
 # FP8 at d=128 on the H100 (BENCHMARKS.md, 2026-11-26 session 9): the Gluon forward 1.13-1.20x the Triton generator's
 FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
+CAUSAL = Binary(">=", Var("q_idx"), Var("kv_idx"))  # the mask measured with no mask at head_dim 64
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,7 @@ class Choice:
     backward: str = "triton"  # the generator of the backward ("gluon" only with a Gluon forward: one module)
     backward_reason: str = ""
     min_keys: int = 0  # calls with fewer keys (the longest sequence's) take the Triton generator for both passes
+    min_keys_reason: str = MIN_KEYS_MEASURED
 
     def forward_at(self, kv_len: int) -> str:
         """The generator of the forward of a call with kv_len keys (packed sequences: the longest)."""
@@ -58,7 +72,7 @@ class Choice:
         if self.generator == "gluon":
             line += f"; {self.backward} backward ({self.backward_reason})"
         if self.min_keys:
-            line += f"; calls with fewer than {self.min_keys} keys take the Triton generator for both passes ({MIN_KEYS_MEASURED})"
+            line += f"; calls with fewer than {self.min_keys} keys take the Triton generator for both passes ({self.min_keys_reason})"
         return line
 
 
@@ -91,9 +105,25 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
     if not gp.has_backward:
         return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
                       "triton", f"the Gluon backward takes head_dim {' or '.join(map(str, BACKWARD_HEAD_DIMS))}")
-    min_keys = GLUON_MIN_KEYS.get(spec.head_dim, 0) if backend is Backend.AUTO else 0
+    if backend is Backend.AUTO and gp.classes_read_inputs and spec.head_dim not in BOUNDED_GLUON_HEAD_DIMS:
+        return Choice("triton", f"auto, tile classes from the inputs' per-chunk bounds at head_dim {spec.head_dim}: the Triton generator "
+                                f"({BOUNDED_MEASURED_BELOW}); backend = gluon takes the Gluon one anyway")
+    min_keys, why = _min_keys(spec, gp) if backend is Backend.AUTO else (0, "")
     return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
-                  *_choose_backward(spec, backend, gp.classes_read_inputs), min_keys=min_keys)
+                  *_choose_backward(spec, backend, gp.classes_read_inputs), min_keys=min_keys, min_keys_reason=why)
+
+
+def _min_keys(spec: Spec, gp: GluonPlan) -> tuple[int, str]:
+    """Under auto, the calls (by their keys) below which the Triton generator runs both passes, and why: at head_dim
+    64, 1024 keys for no mask or the causal mask, MASKED_MIN_KEYS for other masks; documents at head_dim 128 with dQ
+    in a fixed order, MASKED_MIN_KEYS (the unordered backward measured 1.03x the Triton one at 1024 keys); else none."""
+    if spec.head_dim == 64:
+        if gp.base.mask is None or gp.base.mask == CAUSAL:  # (the mask with a block pattern's)
+            return GLUON_MIN_KEYS[64], MIN_KEYS_MEASURED
+        return MASKED_MIN_KEYS, MASKED_MIN_KEYS_MEASURED[64]
+    if gp.classes_read_inputs and spec.head_dim == 128 and spec.deterministic:
+        return MASKED_MIN_KEYS, MASKED_MIN_KEYS_MEASURED[128]
+    return GLUON_MIN_KEYS.get(spec.head_dim, 0), MIN_KEYS_MEASURED
 
 
 # The Gluon backward against the Triton generator's on the H100 (benchmarks/backward_choice.py: through autograd, the
@@ -118,18 +148,21 @@ SPARSE_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.92-1.08x of it
 # each visited tile's class from the summaries again (a wait for memory per tile); kept as bits from the range's
 # scan, the Gluon backward ran 1.09-1.11x faster at d = 128 (1.00-1.01x at d = 64), 1.05-1.08x the Triton backward in
 # order and 1.09-1.11x in no order (BENCHMARKS.md, 2026-11-26 session 17): so documents take the Gluon backward at
-# head_dim 128 in both settings, the Triton one below.
+# head_dim 128 in both settings, the Triton one below. Session 23's suite (see GLUON_MIN_KEYS) found the Gluon forward
+# 0.87-0.92x the Triton one with documents at head_dim 64 (1024-16384 keys): there auto takes the Triton generator for
+# both passes.
 BOUNDED_GLUON_HEAD_DIMS = (128,)
+BOUNDED_MEASURED_BELOW = ("with a document mask at head_dim 64 the Gluon forward measured 0.87-0.92x the Triton one and the ordered "
+                          "Gluon backward 0.85x on the H100")
 BOUNDED_MEASURED = {True: "dQ in a fixed order, measured 1.05-1.08x the Triton backward with a document mask on the H100",
                     False: "dQ in no fixed order, measured 1.09-1.11x the Triton backward with a document mask on the H100"}
-BOUNDED_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.85x of it (forward + backward) with a document mask at head_dim 64 on the H100"
 
 
 def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tuple[str, str]:
-    """The backward of a spec whose forward is Gluon's: Gluon's, except under auto where the Triton backward
-    measured faster: tile classes that read the input pre-pass (`bounded`) at head dims other than
-    BOUNDED_GLUON_HEAD_DIMS (BOUNDED_BACKWARD_MEASURED), and with deterministic = true runtime block sparsity
-    (SPARSE_BACKWARD_MEASURED). With deterministic = true (the
+    """The backward of a spec whose forward is Gluon's: Gluon's, except under auto with deterministic = true and
+    runtime block sparsity, where the Triton backward measured faster (SPARSE_BACKWARD_MEASURED). (Under auto, tile
+    classes that read the input pre-pass (`bounded`) at head dims other than BOUNDED_GLUON_HEAD_DIMS take the Triton
+    generator for both passes: see choose.) With deterministic = true (the
     default) its programs add into each dQ tile in a fixed order (a dQ warp per consumer warpgroup waits for each addition's turn), so
     the gradients are bit-reproducible; with deterministic = false in no fixed order, its last bits may vary
     between runs."""
@@ -137,9 +170,6 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tup
     if backend is Backend.AUTO and ordered and spec.sparsity == "runtime":
         return ("triton", f"auto, runtime block sparsity: the Triton backward ({SPARSE_BACKWARD_MEASURED}; deterministic = false takes the "
                           "unordered Gluon backward, 1.18-1.27x); backend = gluon takes it anyway")
-    if backend is Backend.AUTO and bounded and spec.head_dim not in BOUNDED_GLUON_HEAD_DIMS:
-        return ("triton", f"auto, tile classes from the inputs' per-chunk bounds: the Triton backward ({BOUNDED_BACKWARD_MEASURED}); "
-                          "backend = gluon takes it anyway")
     if bounded and spec.head_dim in BOUNDED_GLUON_HEAD_DIMS:
         return "gluon", f"tile classes from the inputs' per-chunk bounds at head_dim {spec.head_dim}: {BOUNDED_MEASURED[ordered]}"
     if ordered:
