@@ -45,7 +45,7 @@ MASKED_MIN_KEYS_MEASURED = {64: "with a mask other than causal's at head_dim 64 
                                  "keys (0.90x the time of both passes), 1.05x at 2048 (H100)"}
 # FP8 at d=128 on the H100 (BENCHMARKS.md, 2026-11-26 session 9): the Gluon forward 1.13-1.20x the Triton generator's
 FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
-CAUSAL = Binary(">=", Var("q_idx"), Var("kv_idx"))  # the mask measured with no mask at head_dim 64
+CAUSAL = Binary(">=", Var("q_idx"), Var("kv_idx"))  # the causal mask: at head_dim 64 GLUON_MIN_KEYS holds for it and for no mask
 
 
 @dataclass(frozen=True)
