@@ -11,7 +11,7 @@ from ... import expr as ex
 from ...canonical import format_spec
 from ...intervals import lower_tile_class
 from ...plan import KernelPlan
-from ...spec import DType, KVLayout, LoopOrder
+from ...spec import DType, Expr, KVLayout, LoopOrder
 from .. import Templates, versions
 from ..lowering import lower_for_kernel
 
@@ -75,6 +75,8 @@ def context(plan: KernelPlan) -> dict:
         "dkdv": dkdv,
         "dq": dq,
         "tile_class": tile_class,
+        # a block pattern leaves holes (empty tiles) inside the range of tiles a row visits: the loops skip them
+        "skip_holes": tile_class is not None and isinstance(spec.sparsity, Expr),
         "decode_code": decode,
         "has_decode": spec.sparsity != "runtime",  # runtime block masks are not read by the decode kernels
         "paged": spec.kv_layout is KVLayout.PAGED,
