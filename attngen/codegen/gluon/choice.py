@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ...errors import PlanError
 from ...expr import FLOAT_FUNCTIONS, children, input_reads, variables
 from ...plan import KernelPlan
-from ...spec import Backend, Binary, Call, DType, Spec, Var
+from ...spec import Backend, Binary, Call, DType, Expr, Spec, Var
 from .lower import Untranslatable
 from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
 from .render import context
@@ -32,19 +32,29 @@ from ..lowering import bias_of
 # generators in one process; BENCHMARKS.md, 2026-11-27 session 23) kept that for no mask and the causal mask (1.01-1.13x
 # forward, 1.04-1.09x backward at 1024 keys; ALiBi, causal with a bias, 1.04 / 1.26x) but found other masks at head_dim
 # 64 behind at 1024 keys (sliding window 0.91 / 0.99x, prefix-LM 0.91 / 0.94x, a block pattern 1.04 / 0.97x) and even
-# or ahead from 2048 (0.97 / 1.06x, 1.01 / 0.98x, 1.58 / 1.17x); and documents at head_dim 128 behind at 1024 keys
+# or ahead from 2048 (0.97 / 1.06x, 1.01 / 0.98x, 1.58 / 1.17x; block patterns now take the Triton generator at
+# head_dim 64 at every length, see BLOCK_PATTERN_MEASURED); and documents at head_dim 128 behind at 1024 keys
 # (forward 1.15x, the ordered backward 0.85x: 0.90x the time of both; the unordered backward 1.03x) and ahead from 2048
 # (1.18 / 1.05x).
 GLUON_MIN_KEYS = {64: 1024}
 MASKED_MIN_KEYS = 2048  # head_dim 64 with a mask other than causal's; documents (tile classes from the inputs) at 128
 MIN_KEYS_MEASURED = ("the Gluon kernels measured 0.80-1.05x the Triton generator's at 256 and 512 keys and 1.01-1.21x from 1024 "
                      "(head_dim 64, H100)")
-MASKED_MIN_KEYS_MEASURED = {64: "with a mask other than causal's at head_dim 64 the Gluon kernels measured 0.91-1.04x the Triton "
-                                "generator's forward and 0.94-0.99x its backward at 1024 keys, 0.97-1.58x and 0.98-1.17x at 2048 (H100)",
+MASKED_MIN_KEYS_MEASURED = {64: "with a mask other than causal's at head_dim 64 (sliding window, prefix-LM) the Gluon kernels measured 0.91x "
+                                "the Triton generator's forward and 0.94-0.99x its backward at 1024 keys, 0.97-1.01x and 0.98-1.06x at 2048 (H100)",
                             128: "with a document mask at head_dim 128 the ordered Gluon backward measured 0.85x the Triton one at 1024 "
                                  "keys (0.90x the time of both passes), 1.05x at 2048 (H100)"}
 # FP8 at d=128 on the H100 (BENCHMARKS.md, 2026-11-26 session 9): the Gluon forward 1.13-1.20x the Triton generator's
 FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
+# Block patterns (sparsity = an expression of q_blk, kv_blk). Once the Triton generator's loops skipped the holes
+# between kept tiles (session 23: 1.6-10x faster), `attngen bench` of the three shipped patterns at N = 1024, 4096,
+# 16384 (BENCHMARKS.md, 2026-11-27 session 23) put the Gluon kernels at 0.19-0.75x the Triton forward and 0.36-0.94x
+# its backward at head_dim 64 from 4096 keys; at 128 Gluon stays ahead on local_global and strided (1.52-2.12x /
+# 0.90-1.75x) but not on butterfly, whose tiles are classified by pieces (0.96 / 1.12x at 4096, 0.59 / 0.73x at
+# 16384; 1.33 / 1.37x at 1024). So under auto block patterns take the Triton generator at head_dim 64, and at 128
+# where their tiles are classified by pieces.
+BLOCK_PATTERN_MEASURED = ("the Gluon kernels measured 0.19-0.75x the Triton forward and 0.36-0.94x its backward with block patterns at "
+                          "head_dim 64 from 4096 keys, 0.59-0.96x / 0.73-1.12x with butterfly's (classified by pieces) at 128 (H100)")
 CAUSAL = Binary(">=", Var("q_idx"), Var("kv_idx"))  # the causal mask: at head_dim 64 GLUON_MIN_KEYS holds for it and for no mask
 
 
@@ -105,6 +115,10 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
     if not gp.has_backward:
         return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
                       "triton", f"the Gluon backward takes head_dim {' or '.join(map(str, BACKWARD_HEAD_DIMS))}")
+    if backend is Backend.AUTO and isinstance(spec.sparsity, Expr) and (spec.head_dim == 64 or gp.class_piece):
+        where = f"at head_dim {spec.head_dim}" if spec.head_dim == 64 else "whose tiles are classified by pieces"
+        return Choice("triton", f"auto, a block pattern {where}: the Triton generator ({BLOCK_PATTERN_MEASURED}); backend = gluon takes the "
+                                "Gluon one anyway")
     if backend is Backend.AUTO and gp.classes_read_inputs and spec.head_dim not in BOUNDED_GLUON_HEAD_DIMS:
         return Choice("triton", f"auto, tile classes from the inputs' per-chunk bounds at head_dim {spec.head_dim}: the Triton generator "
                                 f"({BOUNDED_MEASURED_BELOW}); backend = gluon takes the Gluon one anyway")
