@@ -35,9 +35,8 @@ from attngen.codegen.gluon.render import context as gluon_context  # noqa: E402
 from attngen.plan import plan as make_plan  # noqa: E402
 from attngen.loader import load_module as _load  # noqa: E402
 from attngen import verify  # noqa: E402
-from attngen.bench import kept_fraction  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
-from masks import random_documents  # noqa: E402
+from attngen.bench import kept_fraction, random_documents  # noqa: E402
 
 triton_render = importlib.import_module("attngen.codegen.triton.render")  # (the package's `render` is its render function)
 

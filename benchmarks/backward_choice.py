@@ -25,7 +25,7 @@ import attngen  # noqa: E402
 from attngen.check import load_spec  # noqa: E402
 from attngen.spec import DType  # noqa: E402
 from harness import measure, versions  # noqa: E402
-from masks import random_documents  # noqa: E402
+from attngen.bench import random_documents  # noqa: E402
 from sparse_dropout import random_blocks  # noqa: E402
 
 

@@ -14,7 +14,8 @@ from attngen.plan import plan as make_plan
 from attngen.codegen.triton import build_source
 from attngen.loader import load_module as _load
 from harness import median_ms, versions
-from masks import spec_of, random_documents
+from masks import spec_of
+from attngen.bench import random_documents
 spec = spec_of("document")
 p = make_plan(spec, "auto")
 mod = _load(spec.name, *build_source(p))

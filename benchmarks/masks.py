@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from attngen.bench import kept_fraction, random_documents  # noqa: E402,F401 (random_documents: for the other probes)
+from attngen.bench import kept_fraction, random_documents  # noqa: E402
 from attngen.check import load_spec  # noqa: E402
 from attngen.spec import DType  # noqa: E402
 from harness import flex, matmul_tflops, measure, median_ms, time_fwd_bwd, versions  # noqa: E402

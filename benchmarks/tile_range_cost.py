@@ -19,7 +19,8 @@ from attngen.codegen.triton import build_source  # noqa: E402
 from attngen.loader import load_module as _load  # noqa: E402
 from attngen.runtime import Kernel  # noqa: E402
 from harness import time_fwd_bwd, versions  # noqa: E402
-from masks import random_documents, spec_of  # noqa: E402
+from masks import spec_of  # noqa: E402
+from attngen.bench import random_documents  # noqa: E402
 
 H, D, N = 16, 128, 16384
 
