@@ -10,9 +10,8 @@
 Importing attngen does not import Triton: set TRITON_INTERPRET=1 before the first kernel call to run on CPU.
 Hugging Face transformers models: `import attngen.hf` (attngen.hf.register).
 """
-__version__ = "0.1.0"
-
-from .errors import AttngenError, InputError, PlanError, SpecError, SpecSyntaxError  # noqa: E402
+from .errors import AttngenError, BundleError, InputError, PlanError, SpecError, SpecSyntaxError
+from .version import __version__ as __version__
 
 
 def __getattr__(name):
@@ -27,23 +26,23 @@ def __getattr__(name):
 
         return Kernel
     if name in ("dropout_mask", "dropout_probability"):
-        from . import dropout
+        from .runtime import dropout
 
         return getattr(dropout, name)
-    if name in ("load", "BundleError", "BundleWarning"):
-        from . import bundle
+    if name in ("load", "BundleWarning"):
+        from . import aot
 
-        return getattr(bundle, name)
+        return getattr(aot, name)
     if name in ("block_mask_from", "block_mask_from_dense"):
-        from . import blocks
+        from .runtime import blocks
 
         return getattr(blocks, name)
     if name == "reference":
-        from .naive import reference
+        from .tools.reference import reference
 
         return reference
     if name == "TargetWarning":
-        from .plan import TargetWarning
+        from .plan.planner import TargetWarning
 
         return TargetWarning
     if name in ("install_import_hook", "uninstall_import_hook"):
@@ -55,7 +54,7 @@ def __getattr__(name):
 
         return importlib.import_module(f".{name}", __name__)  # (`from . import` would ask this function again)
     if name == "load_spec":
-        from .check import load_spec
+        from .lang.check import load_spec
 
         return load_spec
     raise AttributeError(f"module 'attngen' has no attribute {name!r}")

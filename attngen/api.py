@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from .errors import InputError
-from .spec import Spec
+from .lang.spec import Spec
 
 
 def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_dir: str | os.PathLike | None = None,
@@ -22,8 +22,8 @@ def compile(spec: Spec | str | os.PathLike, target: str | None = None, *, cache_
     if bundle is not None:
         if not classify:
             raise InputError("classify=False builds a measurement baseline, which bundles do not hold; drop bundle= or classify=")
-        from .bundle import load
-        from .check import read_spec
+        from .aot import load
+        from .lang.check import read_spec
 
         if backend is not None or deterministic is not None:
             raise InputError("a bundle holds the kernels of the generators its build chose from the spec's own backend and "

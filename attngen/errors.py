@@ -74,3 +74,7 @@ class PlanError(AttngenError):
 
 class InputError(AttngenError, ValueError):
     """Tensors handed to a kernel at call time do not match its spec."""
+
+
+class BundleError(AttngenError):
+    """An ahead-of-time bundle cannot be built, or (strict=True) cannot be used as built."""

@@ -19,8 +19,8 @@ import math
 import torch
 
 from .errors import InputError
+from .runtime.fp8 import BLOCK, cache_scales, dequantize, descale_blocks  # noqa: F401  (the factors' layouts the kernels read)
 
-BLOCK = 128  # tokens per descale factor of granularity "block" (the kernels' DESCALE_BLOCK)
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 GRANULARITIES = ("tensor", "head", "block")
@@ -75,67 +75,6 @@ def quantize(x: torch.Tensor, granularity: str = "head", hadamard: bool = False,
     return to_cache(x, expanded), scale.float().contiguous()
 
 
-def descale_blocks(name: str, descale, batch: int, heads: int, kv_heads: int, length: int, device, per_block: bool = True) -> torch.Tensor:
-    """A descale argument as the kernels read it: (B, heads, ceil(length / BLOCK)) float32 when per_block (Q with
-    heads = Hq, K with heads = Hkv), else (B, kv_heads) (V); None is 1. Checked: float32, on `device`, one of the
-    shapes the module docstring lists."""
-    blocks = max(1, -(-length // BLOCK))
-    if descale is None:
-        return torch.ones((batch, heads, blocks) if per_block else (batch, kv_heads), device=device)
-    _check_factor(name, descale, device)
-    shapes = {"per tensor": (1,), "per (batch, key/value head)": (batch, kv_heads)}
-    if per_block:
-        shapes |= {"per (batch, head)": (batch, heads), "per block": (batch, heads, blocks)}
-    shape = tuple(descale.shape)
-    if shape in ((), (1,)):
-        out = descale.reshape(1, 1, 1) if per_block else descale.reshape(1, 1)
-        return out.expand((batch, heads, blocks) if per_block else (batch, kv_heads)).contiguous()
-    if shape == (batch, kv_heads):
-        if not per_block:
-            return descale.contiguous()
-        return descale.repeat_interleave(heads // kv_heads, 1)[:, :, None].expand(batch, heads, blocks).contiguous()
-    if per_block and shape == (batch, heads):
-        return descale[:, :, None].expand(batch, heads, blocks).contiguous()
-    if per_block and shape == (batch, heads, blocks):
-        return descale.contiguous()
-    listing = ", ".join(f"{what} {s}" for what, s in shapes.items())
-    raise InputError(f"{name} has shape {shape}; expected one of: {listing}")
-
-
-def cache_scales(name: str, scale, batch: int, kv_heads: int, device) -> torch.Tensor:
-    """The descale factor of an FP8 key/value cache (a `kv_dtype = fp8` spec) as the decode kernels read it, (B, Hkv)
-    float32: given per tensor (1,), per key/value head (Hkv,) or per (sequence, key/value head) (B, Hkv); None is 1."""
-    if scale is None:
-        return torch.ones((batch, kv_heads), device=device)
-    _check_factor(name, scale, device)
-    shape = tuple(scale.shape)
-    if shape in ((), (1,)):
-        return scale.reshape(1, 1).expand(batch, kv_heads).contiguous()
-    if shape == (kv_heads,):
-        return scale[None, :].expand(batch, kv_heads).contiguous()
-    if shape == (batch, kv_heads):
-        return scale.contiguous()
-    raise InputError(f"{name} has shape {shape}; expected per tensor (1,), per key/value head ({kv_heads},) or per (sequence, key/value head) "
-                     f"({batch}, {kv_heads})")
-
-
-def _check_factor(name: str, t, device) -> None:
-    """A descale argument is a float32 tensor on q's device (any index of its type when `device` names none)."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-        raise InputError(f"{name} must be a float32 tensor, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-    want = torch.device(device)
-    if t.device.type != want.type or (want.index is not None and t.device != want):
-        raise InputError(f"{name} is on {t.device}, q on {device}")
-
-
 def to_cache(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x as e4m3 cache entries for descale factors `scale` (broadcast against x): x / scale, saturated at +-448."""
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-
-
-def dequantize(x: torch.Tensor, descale: torch.Tensor, per_block: bool = True) -> torch.Tensor:
-    """x (e4m3, (B, H, N, D)) as float32 values, with descale in descale_blocks' layout ((B, H, blocks) per block;
-    (B, Hkv) for V, Hkv = H)."""
-    if per_block:
-        return x.float() * descale.repeat_interleave(BLOCK, 2)[:, :, :x.shape[2], None]
-    return x.float() * descale[:, :, None, None]

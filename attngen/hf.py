@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .dtypes import SPEC_FLOAT_DTYPES
+from .runtime.dtypes import SPEC_FLOAT_DTYPES
 from .errors import AttngenError
-from .spec import Spec
+from .lang.spec import Spec
 
 if TYPE_CHECKING:
     from .runtime import Kernel

@@ -14,73 +14,9 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
+from .runtime.serving import check_block_table, check_lengths, check_paged_cache, check_values
 
 __all__ = ["append", "gather"]
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _check_int32(name: str, t, dim: int, what: str, batch: int, rows: str, device: torch.device) -> None:
-    """`t` is a dim-D int32 tensor on `device` with `batch` entries along its first dimension."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != dim:
-        got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise InputError(f"{name} must be a {dim}-D int32 tensor {what}, got {got}")
-    if t.shape[0] != batch:
-        raise InputError(f"{name} has {t.shape[0]} {rows}; the batch has {batch} sequences")
-    if t.device != device:
-        raise InputError(f"{name} is on {t.device}, q on {device}")
-
-
-def check_lengths(name: str, lens, batch: int, device: torch.device) -> None:
-    """`lens` is an int32 (B,) tensor on `device` (values are checked where they are used)."""
-    _check_int32(name, lens, 1, "of one length per sequence", batch, "entries", device)
-
-
-def check_block_table(block_table, batch: int, device: torch.device) -> None:
-    """`block_table` is an int32 (B, max_pages) tensor on `device` with a unit stride along its pages."""
-    _check_int32("block_table", block_table, 2, "(sequences, pages per sequence)", batch, "rows", device)
-    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        raise InputError("block_table's pages must be contiguous along each row (stride 1); pass block_table.contiguous()")
-
-
-def check_paged_cache(name: str, cache, page_size: int | None, like: torch.Tensor | None = None) -> None:
-    """`cache` is a (num_pages, page_size, Hkv, D) tensor (of `like`'s dtype and device where given)."""
-    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
-        what = f"shape {tuple(cache.shape)}" if isinstance(cache, torch.Tensor) else type(cache).__name__
-        raise InputError(f"{name} must be a paged cache of shape (num_pages, page_size, kv_heads, head_dim), got {what}")
-    if page_size is not None and cache.shape[1] != page_size:
-        raise InputError(f"{name} has pages of {cache.shape[1]} tokens (dimension 1); the spec says page_size = {page_size}")
-    if cache.shape[0] == 0:
-        raise InputError(f"{name} has no page")
-    if like is not None and (cache.dtype != like.dtype or cache.device != like.device):
-        raise InputError(f"{name} is {cache.dtype} on {cache.device}; expected {like.dtype} on {like.device}")
-
-
-def check_values(kv_lens: torch.Tensor, capacity: int, block_table: torch.Tensor | None = None, num_pages: int = 0,
-                 page_size: int = 0, q_lens: torch.Tensor | None = None, q_capacity: int = 0, extra: int = 0) -> None:
-    """The values: 0 <= kv_lens[b] (+ extra) <= capacity, 0 <= q_lens[b] <= q_capacity, and every page that a
-    sequence's first kv_lens[b] (+ extra) keys use is in [0, num_pages). A host synchronization: skipped while a
-    CUDA graph is captured (the kernels clamp lengths and page indices, so a bad value cannot read outside a tensor)."""
-    if _capturing(kv_lens.device):
-        return
-    lens = kv_lens.to(torch.int64) + extra
-    if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > capacity):
-        bad = int(torch.nonzero((lens < 0) | (lens > capacity))[0, 0])
-        what = "kv_lens + the new tokens" if extra else "kv_lens"
-        raise InputError(f"{what} of sequence {bad} is {int(lens[bad])}; the cache holds 0..{capacity} keys per sequence")
-    if q_lens is not None and q_lens.numel() and (int(q_lens.min()) < 0 or int(q_lens.max()) > q_capacity):
-        bad = int(torch.nonzero((q_lens < 0) | (q_lens > q_capacity))[0, 0])
-        raise InputError(f"q_lens of sequence {bad} is {int(q_lens[bad])}; q holds 0..{q_capacity} queries per sequence")
-    if block_table is not None and block_table.numel():
-        pages_used = (lens + page_size - 1) // page_size  # (B,)
-        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used[:, None]
-        bad = used & ((block_table < 0) | (block_table >= num_pages))
-        if bool(bad.any()):
-            b, j = (int(x) for x in torch.nonzero(bad)[0])
-            raise InputError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the cache (0..{num_pages - 1}); "
-                             f"sequence {b} uses its first {int(pages_used[b])} entries")
 
 
 def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_lens: torch.Tensor,

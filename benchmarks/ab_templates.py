@@ -1,12 +1,12 @@
 """A/B test of two template directories on the GPU: the same plans rendered from each, outputs compared, the
 forward and the backward timed alternately, in the order A B, B A, A B, ... (--rounds; the minimum of each is kept).
 The order turns each round: in a fixed order A, B, A, B the second measured lost up to 7 % on long backwards
-against an identical first (an A/A test on the H100, BENCHMARKS.md 2026-11-26 session 15).
+against an identical first (an A/A test on the H100, 2026-11-26).
 
     python benchmarks/ab_templates.py --a OLD_TEMPLATES_DIR | --a-tree OLD_TREE [--b templates/triton] [--generator triton|gluon]
                                       [--specs dense causal] [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
 
-Declared inputs: specs/document.attn's document ids as in benchmarks/masks.py, other inputs `attngen check`'s random
+Declared inputs: specs/document.attn's document ids as `attngen bench` draws them (256-2048 tokens), other inputs `attngen check`'s random
 values (not runtime block sparsity); TFLOP/s count kept pairs.
 
 For a change outside the templates (the expressions' lowering, the plan), --a-tree DIR renders A with another
@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT))
 from attngen.codegen import Templates  # noqa: E402
 from attngen.codegen.gluon import plan_gluon  # noqa: E402
 from attngen.codegen.gluon.render import context as gluon_context  # noqa: E402
-from attngen.plan import plan as make_plan  # noqa: E402
-from attngen.loader import load_module as _load  # noqa: E402
-from attngen import verify  # noqa: E402
+from attngen.plan.planner import plan as make_plan  # noqa: E402
+from attngen.runtime.loader import load_module as _load  # noqa: E402
+from attngen.tools import verify  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
-from attngen.bench import kept_fraction, random_documents  # noqa: E402
+from attngen.tools.bench import kept_fraction, random_documents  # noqa: E402
 
 triton_render = importlib.import_module("attngen.codegen.triton.render")  # (the package's `render` is its render function)
 
@@ -54,8 +54,8 @@ def module_from(templates: Path, plan, generator: str = "triton"):
 _TREE_RENDER = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from attngen.check import load_spec
-from attngen.plan import plan
+from attngen.lang.check import load_spec
+from attngen.plan.planner import plan
 spec = plan(load_spec(sys.stdin.read()), "auto")
 if sys.argv[2] == "triton":
     from attngen.codegen.triton import build_source
@@ -69,7 +69,7 @@ else:
 def module_from_tree(tree: Path, spec, generator: str = "triton"):
     """The generated module of `spec` rendered by the attngen tree `tree` (code and templates), in a subprocess."""
     import subprocess
-    from attngen.canonical import format_spec
+    from attngen.lang.canonical import format_spec
 
     source = subprocess.run([sys.executable, "-c", _TREE_RENDER, str(tree), generator], input=format_spec(spec), text=True,
                             capture_output=True, check=True).stdout
@@ -103,7 +103,7 @@ def main():
                 bsz, h = 16384 // n, 2048 // d
                 g = torch.Generator(device="cuda").manual_seed(0)
                 q, k, v, do = (torch.randn(bsz, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-                # a spec's declared inputs: the document ids of benchmarks/masks.py, else attngen check's random values
+                # a spec's declared inputs: the document ids `attngen bench` draws, else attngen check's random values
                 given = ({"doc": random_documents(bsz, n, torch.Generator().manual_seed(0)).cuda()} if name == "document" else
                          verify.make_inputs(spec, bsz, h, n, n, "cuda", torch.Generator().manual_seed(0)))
                 given = {i.name: given[i.name] for i in spec.inputs}

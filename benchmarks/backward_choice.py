@@ -22,10 +22,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from attngen.check import load_spec  # noqa: E402
-from attngen.spec import DType  # noqa: E402
+from attngen.lang.check import load_spec  # noqa: E402
+from attngen.lang.spec import DType  # noqa: E402
 from harness import measure, versions  # noqa: E402
-from attngen.bench import random_documents  # noqa: E402
+from attngen.tools.bench import random_documents  # noqa: E402
 from sparse_dropout import random_blocks  # noqa: E402
 
 

@@ -1,9 +1,8 @@
 """Host time per kernel call: the eager path (a torch.autograd.Function), the custom op that torch.compile
-records (called directly), and, on a GPU, the generated launcher alone (the bare launch). Issue 17's target: a
-call within 10 us of the bare launch.
+records (called directly), and, on a GPU, the generated launcher alone (the bare launch).
 
-On a GPU also the two ways torch.library offers (issue 17: measure which keeps the launch overhead lowest), no
-grad: attngen's `custom_op` (attngen.runtime._Ops) and a `triton_op` whose body launches the Triton generator's
+On a GPU also the two ways torch.library offers (which keeps the launch overhead lowest), no
+grad: attngen's `custom_op` (attngen.runtime.autograd.Ops) and a `triton_op` whose body launches the Triton generator's
 forward kernel through `wrap_triton` (which Inductor can trace into, emitting the launch in its own code), each
 called directly and inside a `torch.compile(fullgraph=True)` function, beside that kernel's launcher alone.
 
@@ -31,7 +30,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from attngen.dtypes import TORCH_DTYPES  # noqa: E402
+from attngen.runtime.dtypes import TORCH_DTYPES  # noqa: E402
 
 
 def per_call_us(rows: dict, calls: int) -> dict:
@@ -78,10 +77,10 @@ def main():
         if kern.gluon is not None:
             g = kern.gluon
             rows["Gluon launcher alone"] = lambda: g.attention_forward(q, k, v)
-            # the launch itself, outputs allocated once: through attngen.launch and through Triton's JIT dispatch
+            # the launch itself, outputs allocated once: through attngen.runtime.launch and through Triton's JIT dispatch
             o, lse = torch.empty_like(q), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             grid = g.grid(n, 1, 1)
-            rows["Gluon kernel: attngen.launch.Launcher"] = lambda: g._FORWARD(grid, *g.launch_args(q, k, v, o, lse))
+            rows["Gluon kernel: attngen.runtime.launch.Launcher"] = lambda: g._FORWARD(grid, *g.launch_args(q, k, v, o, lse))
             rows["Gluon kernel: Triton's JIT (fn[grid](...))"] = lambda: g._attn_fwd[grid](*g.launch_args(q, k, v, o, lse), **g._FORWARD.options)
     if args.device == "cuda":
         rows.update(_custom_op_against_triton_op(q, k, v))

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/context_parallel.py [--seq 131072] [--big 524288] [--out results.json]
 
 1. Correctness, bf16: every rank's shard of O, dQ, dK, dV (gathered) against the one-GPU kernel and the float64
-   reference (N = 4096; the reference's budget as in attngen.verify), causal / window / documents / ALiBi with
+   reference (N = 4096; the reference's budget as in attngen.tools.verify), causal / window / documents / ALiBi with
    grouped-query heads, both layouts; at the largest length, O against the float64 reference on sampled rows.
 2. Strong scaling, causal, d = 128, H = 16, bf16: the one-GPU kernel (rank 0 alone; the default generators, and
    the Triton generator's) against context_parallel on every GPU (zigzag) with the same kernels, forward and
@@ -27,8 +27,9 @@ import torch.distributed as dist
 import attngen
 import attngen.distributed as cp
 from attngen.distributed import ring as ring_module
-from attngen import verify
-from attngen.verify import _bound
+from attngen.runtime.shard import shard_kernel
+from attngen.tools import verify
+from attngen.tools.verify import _bound
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -78,7 +79,7 @@ def check(name, layout, n, heads=8, kv_heads=2, backend=None):
     o = cp.context_parallel(kern, *leaves, layout=layout, **drop, **inputs)
     o.backward(cp.shard(do, layout))
     got = [cp.unshard(t.detach(), layout) for t in (o, *(x.grad for x in leaves))]
-    shards = kern._shard_kernel().generator
+    shards = shard_kernel(kern).generator
     row = {"spec": name, "backend": backend or "auto", "layout": layout, "n": n, "nan": any(bool(torch.isnan(t).any()) for t in got),
            "shard_generators": [shards.generator, shards.backward]}
     if dist.get_rank() == 0:
@@ -157,7 +158,7 @@ def scaling(n, heads=16, d=128, layout="zigzag"):
 
     fwd, fwd_bwd = passes(kern)
     row["cp"] = {"fwd_ms": timed(fwd), "fwd_bwd_ms": timed(fwd_bwd)}
-    generators = kern._shard_kernel().generator
+    generators = shard_kernel(kern).generator
     row["cp"]["shard_generators"] = [generators.generator, generators.backward]
     row["cp_triton"] = dict(zip(("fwd_ms", "fwd_bwd_ms"), map(timed, passes(triton_kern))))
     # the same ring with every transfer replaced by a local copy: compute and merges only

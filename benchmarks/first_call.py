@@ -9,7 +9,7 @@ Inductor and attngen caches:
             counted (a wrapper on triton.compile)
   jit       attngen.compile(spec): Triton compiles the kernels (empty Triton cache)
   jit-warm  the same in another new process that finds the first one's Triton disk cache
-  flex      torch.compile(flex_attention) with the spec's mask_mod/score_mod (attngen.bench.flex_mods), empty
+  flex      torch.compile(flex_attention) with the spec's mask_mod/score_mod (attngen.tools.bench.flex_mods), empty
             Inductor cache (only for specs without inputs)
 Each child times: the import of attngen + torch, kernel creation (load / compile), the first forward and the
 first backward (synchronized), then a warm forward+backward for scale. The bundle child and the jit child
@@ -51,7 +51,7 @@ def child(mode: str, bundle_dir: str, name: str, spec_text: str, save: str | Non
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, H, N, spec.head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_() for _ in range(3))
     do = torch.randn(B, H, N, spec.head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    from attngen.verify import make_inputs
+    from attngen.runtime.samples import make_inputs
 
     inputs = make_inputs(spec, B, H, N, N, "cuda", torch.Generator().manual_seed(1))
     extra = {"seed": 7} if spec.dropout else {}
@@ -65,7 +65,7 @@ def child(mode: str, bundle_dir: str, name: str, spec_text: str, save: str | Non
         kern = attngen.compile(spec, "auto")
         fn = lambda: kern(q, k, v, **inputs, **extra)  # noqa: E731
     else:
-        from attngen import bench
+        from attngen.tools import bench
 
         fl = bench.flex()
         mask_mod, score_mod = bench.flex_mods(spec, inputs, N, N)
@@ -113,7 +113,7 @@ def child(mode: str, bundle_dir: str, name: str, spec_text: str, save: str | Non
         out["bundle_used"] = kern.bundle.used
         out["binaries_loaded"] = kern.bundle.stats.loaded
         # the bundle kernel against the float64 reference over verify's CUDA shapes, still strict (no compiling)
-        from attngen import verify
+        from attngen.tools import verify
 
         ok, refused = 0, []
         for shape in verify.CUDA_SHAPES:
@@ -159,7 +159,7 @@ def main() -> None:
 
     import torch
 
-    from attngen.bundle import read_manifest
+    from attngen.aot import read_manifest
 
     manifest = read_manifest(Path(args.bundle))
     major, minor = torch.cuda.get_device_capability()

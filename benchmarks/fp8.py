@@ -25,9 +25,10 @@ import torch
 import triton
 
 import attngen
-from attngen import fp8, verify
-from attngen.check import load_spec
-from attngen.spec import DType
+from attngen import fp8
+from attngen.tools import verify
+from attngen.lang.check import load_spec
+from attngen.lang.spec import DType
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,7 +143,7 @@ def decode(quick=False):
     from triton.testing import do_bench
 
     from attngen import kvcache
-    from attngen.bench_decode import _graph
+    from attngen.tools.bench_decode import _graph
 
     rows = []
     for layout in ("contiguous", "paged"):
@@ -184,7 +185,7 @@ def decode(quick=False):
                     row[f"{name}_gbs"] = 2 * kc.numel() * kc.element_size() / (row[f"{name}_us"] * 1e-6) / 1e9
             row["speedup"] = row["bf16_us"] / row["fp8_us"]
             # the FP8 cache's decode tiles around the plan's (those were measured for bf16 caches)
-            from attngen.decode import decode_shape
+            from attngen.plan.decode import decode_shape
 
             shape = decode_shape(f8.plan, b, hq, hkv, 1, n)
             kc, vc, table, scales = caches["fp8"]

@@ -1,4 +1,4 @@
-"""Timing helpers for the benchmark scripts (GPU only): attngen.bench's, which `attngen bench` uses too.
+"""Timing helpers for the benchmark scripts (GPU only): attngen.tools.bench's, which `attngen bench` uses too.
 
 Every provider is timed with triton.testing.do_bench medians after warm-up, in one process, on the same random
 inputs. Backward = median(forward + backward) - median(forward).
@@ -9,10 +9,10 @@ from pathlib import Path
 
 from torch.nn.attention import SDPBackend
 
-from attngen.bench import matmul_tflops, measure, median_ms, sdpa, time_fwd_bwd, versions
-from attngen.bench import flex as _compiled_flex
-from attngen.check import load_spec
-from attngen.spec import DType
+from attngen.tools.bench import matmul_tflops, measure, median_ms, sdpa, time_fwd_bwd, versions
+from attngen.tools.bench import flex as _compiled_flex
+from attngen.lang.check import load_spec
+from attngen.lang.spec import DType
 
 ROOT = Path(__file__).resolve().parent.parent
 

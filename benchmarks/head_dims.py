@@ -1,4 +1,4 @@
-"""The forward at each head dim through both generators, against SDPA's cuDNN and flash kernels (issue 16: the
+"""The forward at each head dim through both generators, against SDPA's cuDNN and flash kernels (the
 Gluon generator's head dims). bf16, B * N = 16384 tokens, H * d = 2048; dense and causal; every provider in this
 process on the same random inputs, checked against the float32 reference (first batch entry, two heads) before
 it is timed. Forward / backward ms and TFLOP/s; a head dim without a Gluon backward runs the Triton one (the

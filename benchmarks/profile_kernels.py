@@ -35,7 +35,7 @@ def run_providers(specs, dims, seqs):
     import torch
 
     from attngen import compile as attn_compile
-    from attngen.bench import make_case, providers
+    from attngen.tools.bench import make_case, providers
     from harness import shipped_spec
 
     for name in specs:

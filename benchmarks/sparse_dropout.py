@@ -1,4 +1,4 @@
-"""Runtime block sparsity and dropout on the GPU (issue 4), bf16, head_dim 128, N = 8192, B = 2, H = 16.
+"""Runtime block sparsity and dropout on the GPU, bf16, head_dim 128, N = 8192, B = 2, H = 16.
 
 Block sparsity: random kept blocks of 128 x 128 (the diagonal always kept; each (b, h) its own pattern) at
 densities 1, 0.5, 0.25, 0.125. Providers, in this process on the same random inputs, each checked against the
@@ -27,7 +27,7 @@ from torch.nn.attention.flex_attention import BlockMask
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
-from attngen.blocks import block_lists  # noqa: E402
+from attngen.runtime.blocks import block_lists  # noqa: E402
 from harness import SDPA_FLASH, flex, measure, median_ms, save_results, sdpa, time_fwd_bwd, versions  # noqa: E402
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 

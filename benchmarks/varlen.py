@@ -1,4 +1,4 @@
-"""Packed variable-length batches (issue 19) on the GPU: attngen's cu_seqlens path against FlexAttention's
+"""Packed variable-length batches on the GPU: attngen's cu_seqlens path against FlexAttention's
 document mask and attngen's own document-mask spec on the same packing.
 
 bf16, head_dim 128, H = 16, 16384 tokens packed from random lengths 256-4096 (the last one cut at 16384), in

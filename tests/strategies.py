@@ -1,8 +1,8 @@
 """Hypothesis strategies: well-typed random expressions of the .attn language (shared by the test files)."""
 from hypothesis import strategies as st
 
-from attngen import expr as ex
-from attngen.spec import Binary, Call, Const, Type, Unary, Var
+from attngen.lang import expr as ex
+from attngen.lang.spec import Binary, Call, Const, Type, Unary, Var
 
 INT_VARS = ("b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
 
@@ -62,7 +62,7 @@ EDGE_INPUTS = {"i8": "int8", "i32": "int32", "i64": "int64", "f": "fp32", "flag"
 
 
 def _read(name):
-    from attngen.spec import Index
+    from attngen.lang.spec import Index
 
     return Index(name, (Var("kv_idx"),))
 

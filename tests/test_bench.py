@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import attngen
-from attngen import bench, verify
-from attngen.check import load_spec
-from attngen.cli import main
+from attngen.tools import bench
+from attngen.tools import verify
+from attngen.lang.check import load_spec
+from attngen.tools.cli import main
 
 ROOT = Path(__file__).parent.parent
 
@@ -186,7 +187,7 @@ def _decode_results():
 
 
 def test_decode_table_gives_layered_and_single_call_rates_and_the_ratio_to_flex(tmp_path):
-    from attngen import bench_decode
+    from attngen.tools import bench_decode
 
     table = bench_decode.format_table(_decode_results()["rows"])
     line = table.splitlines()[2].split()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import attngen
-from attngen import blocks
+from attngen.runtime import blocks
 from attngen.errors import InputError, PlanError
 
 SPARSE = "attention t {{ head_dim = 32 dtype = fp32 sparsity = runtime sparse_block = 32 {extra} }}"

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import attngen
-from attngen import bundle
-from attngen.cli import main
+import attngen.aot as bundle
+from attngen.aot import loader as aot_loader
+from attngen.aot import manifest as bundle_manifest
+from attngen.aot import record
+from attngen.tools.cli import main
 
 ROOT = Path(__file__).parent.parent
 EM_CUDA = 190  # ELF e_machine of NVIDIA cubins
@@ -82,15 +85,15 @@ def test_build_writes_cubins_for_each_target(built):
 def test_manifest_validates(built, tmp_path):
     """Relative paths, digests that match, a spec that parses back to its hash, a module that is what this
     attngen renders for that spec and target."""
-    from attngen.canonical import spec_hash
-    from attngen.plan import plan
+    from attngen.lang.canonical import spec_hash
+    from attngen.plan.planner import plan
     from attngen.codegen.triton import build_source
 
     out, _ = built
     m = bundle.read_manifest(out)
-    assert m["format"] == bundle.FORMAT and m["triton"] == "3.6.0" and m["torch"] == importlib.metadata.version("torch")
+    assert m["format"] == bundle_manifest.FORMAT and m["triton"] == "3.6.0" and m["torch"] == importlib.metadata.version("torch")
     for e in m["entries"]:
-        texts, reason = bundle._verify_files(out, e)
+        texts, reason = bundle_manifest._verify_files(out, e)
         assert reason is None, reason
         spec = attngen.load_spec(e["spec"], "manifest")
         assert spec_hash(spec) == e["spec_hash"]
@@ -98,10 +101,10 @@ def test_manifest_validates(built, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     m["entries"][0]["module"]["path"] = "../outside.py"
-    (bad / bundle.MANIFEST).write_text(json.dumps(m))
+    (bad / bundle_manifest.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(attngen.BundleError, match="leaves the bundle directory"):
         bundle.read_manifest(bad)
-    (bad / bundle.MANIFEST).write_text("{not json")
+    (bad / bundle_manifest.MANIFEST).write_text("{not json")
     with pytest.raises(attngen.BundleError, match="unreadable manifest"):
         attngen.load(bad)
     with pytest.raises(attngen.BundleError, match="has no manifest.json"):
@@ -145,7 +148,7 @@ def test_tampered_binary_is_caught_by_its_digest(built, tmp_path):
 @pytest.mark.slow
 def test_version_and_generator_mismatches_fall_back(built, tmp_path):
     where = _copy(built[0], tmp_path)
-    path = where / bundle.MANIFEST
+    path = where / bundle_manifest.MANIFEST
     m = json.loads(path.read_text())
     m["triton"] = "9.9.9"
     path.write_text(json.dumps(m))
@@ -157,7 +160,7 @@ def test_version_and_generator_mismatches_fall_back(built, tmp_path):
         mod = where / e["module"]["path"]
         text = mod.read_text() + "# edited\n"
         mod.write_text(text)
-        e["module"]["sha256"] = bundle._sha256(text.encode())
+        e["module"]["sha256"] = bundle_manifest._sha256(text.encode())
     path.write_text(json.dumps(m))
     with pytest.raises(attngen.BundleError, match="generates a different module for the spec"):
         attngen.load(where, strict=True)
@@ -187,10 +190,10 @@ def test_the_bundle_lookup_returns_the_bundles_binary(built, tmp_path):
     m = bundle.read_manifest(out)
     e = next(e for e in m["entries"] if e["target"] == "h100")
     spec = attngen.load_spec(e["spec"], "manifest")
-    from attngen.plan import plan
+    from attngen.plan.planner import plan
 
-    module = bundle._import_compiled("test_bundle_lookup", out / e["module"]["path"], (out / e["module"]["path"]).read_text())
-    launches = bundle.record_launches(plan(spec, "h100"), module, 90)
+    module = record.import_compiled("test_bundle_lookup", out / e["module"]["path"], (out / e["module"]["path"]).read_text())
+    launches = record.record_launches(plan(spec, "h100"), module, 90)
     assert {launch.key for launch in launches} == {k["key"] for k in e["kernels"]}
     from triton.compiler import ASTSource
 
@@ -199,7 +202,7 @@ def test_the_bundle_lookup_returns_the_bundles_binary(built, tmp_path):
         k = next(k for k in e["kernels"] if k["key"] == launch.key)
         binaries = {k["key"]: (k["triton_hash"], {n: str(out / f["path"]) for n, f in k["files"].items()})}
         fn = getattr(module, launch.kernel)
-        lookup = bundle._PrebuiltCompile("test", binaries, True, None, stats)
+        lookup = aot_loader._PrebuiltCompile("test", binaries, True, None, stats)
         compiled = lookup(ASTSource(fn, launch.signature, launch.constexprs, launch.attrs), options=launch.options)
         assert compiled.asm["cubin"] == (out / k["files"][f"{launch.kernel}.cubin"]["path"]).read_bytes()
         # the same kernel called with a row stride not divisible by 16 (e.g. a sliced tensor): another binary
@@ -209,7 +212,7 @@ def test_the_bundle_lookup_returns_the_bundles_binary(built, tmp_path):
         with pytest.raises(attngen.BundleError, match=rf"no prebuilt binary of _(attn|decode)_\w+ for this call \(differs in {row}: not known divisible by 16 in this call, "
                                                         r"divisible by 16 in the bundle\); strict=True"):
             lookup(ASTSource(fn, launch.signature, launch.constexprs, attrs), options=launch.options)
-        fallback = bundle._PrebuiltCompile("test", binaries, False, lambda src, **kw: "jit", stats)
+        fallback = aot_loader._PrebuiltCompile("test", binaries, False, lambda src, **kw: "jit", stats)
         with pytest.warns(attngen.BundleWarning, match="compiling it just in time"):
             assert fallback(ASTSource(fn, launch.signature, launch.constexprs, attrs), options=launch.options) == "jit"
     assert stats.loaded == len(launches) and stats.compiled == len(launches)
@@ -225,8 +228,8 @@ def test_recording_covers_every_flag_the_spec_implies(spec, flags):
     """The specializations a build compiles (no compiling here): each kernel of the module, and both values of
     the flags the launchers set (dropout on/off, input gradients on/off); none depends on the sequence length,
     head count or seed value (they are not specialized), so three sequence lengths give few binaries."""
-    from attngen.check import read_spec
-    from attngen.plan import plan
+    from attngen.lang.check import read_spec
+    from attngen.plan.planner import plan
     from attngen.codegen.triton import build_source
 
     p = plan(read_spec(ROOT / "specs" / spec), "h100")
@@ -235,8 +238,8 @@ def test_recording_covers_every_flag_the_spec_implies(spec, flags):
 
     path = Path(tempfile.mkdtemp()) / f"{spec}.py"
     path.write_text(source)
-    module = bundle._import_compiled(f"test_record_{path.stem.replace('.', '_')}", path, source)
-    launches = bundle.record_launches(p, module, 90)
+    module = record.import_compiled(f"test_record_{path.stem.replace('.', '_')}", path, source)
+    launches = record.record_launches(p, module, 90)
     kernels = {launch.kernel for launch in launches}
     assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= kernels
     if p.spec.inputs and any(d.dtype.startswith("int") and len(d.dims) > 1 for d in p.spec.inputs):
@@ -252,7 +255,7 @@ def test_recording_covers_every_flag_the_spec_implies(spec, flags):
     assert len([launch for launch in launches if "decode" not in launch.kernel and launch not in packed]) <= 12
     assert len([launch for launch in launches if "decode" in launch.kernel]) <= 7  # test_recording_covers_decoding
     # packed sequences (cu_seqlens) where the spec takes them: the forward and both backward kernels, once per flag
-    if bundle.takes_packed(p.spec):
+    if record.takes_packed(p.spec):
         assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= {launch.kernel for launch in packed} and len(packed) <= 12
     else:
         assert not packed
@@ -261,9 +264,9 @@ def test_recording_covers_every_flag_the_spec_implies(spec, flags):
 def test_recording_covers_decoding():
     """The decode launcher with per-sequence lengths: programs of 16, 32 and 64 rows, the keys split or not (the
     combine kernel then), one specialization each whatever the lengths; a paged spec records nothing else."""
-    from attngen.check import read_spec
+    from attngen.lang.check import read_spec
     from attngen.codegen.triton import build_source
-    from attngen.plan import plan
+    from attngen.plan.planner import plan
 
     import tempfile
 
@@ -272,7 +275,7 @@ def test_recording_covers_decoding():
         path = Path(tempfile.mkdtemp()) / f"{name}.py"
         source = build_source(p)[1]
         path.write_text(source)
-        launches = bundle.record_launches(p, bundle._import_compiled(f"test_record_decode_{name}", path, source), 90)
+        launches = record.record_launches(p, record.import_compiled(f"test_record_decode_{name}", path, source), 90)
         decode = [json.loads(launch.key)["constants"] for launch in launches if launch.kernel == "_attn_decode"]
         assert sorted((c["BLOCK_R"], c["PARTIAL"]) for c in decode) == sorted((r, s) for r in ("16", "32", "64") for s in ("True", "False"))
         assert all(c["KV_LENS"] == "True" and c["Q_LENS"] == "False" for c in decode)
@@ -282,9 +285,9 @@ def test_recording_covers_decoding():
 def test_gluon_recording_covers_dropout_on_and_off():
     """A Gluon module of a spec with dropout: its forward and backward are recorded with dropout compiled in and
     without (evaluation), one specialization each whatever the seed (its two int32 halves are not specialized)."""
-    from attngen.check import load_spec
+    from attngen.lang.check import load_spec
     from attngen.codegen.gluon import build_source, choose
-    from attngen.plan import plan
+    from attngen.plan.planner import plan
 
     spec = load_spec("attention drop {\n head_dim = 128\n dtype = bf16\n mask = q_idx >= kv_idx\n dropout = 0.1\n backend = gluon\n}")
     p = plan(spec, "h100")
@@ -294,8 +297,8 @@ def test_gluon_recording_covers_dropout_on_and_off():
 
     path = Path(tempfile.mkdtemp()) / "drop_gluon.py"
     path.write_text(source)
-    module = bundle._import_compiled("test_record_drop_gluon", path, source)
-    launches = bundle.record_gluon_launches(p, choice, module, 90)
+    module = record.import_compiled("test_record_drop_gluon", path, source)
+    launches = record.record_gluon_launches(p, choice, module, 90)
     flags = {(launch.kernel, json.loads(launch.key)["constants"].get("DROPOUT")) for launch in launches}
     assert {("_attn_fwd", "True"), ("_attn_fwd", "False"), ("_attn_bwd", "True"), ("_attn_bwd", "False")} <= flags, flags
     # one forward each with dropout on and off, for (B, H, N, D) tensors in both forms (a program per tile, and
@@ -309,21 +312,21 @@ def test_gluon_recording_covers_dropout_on_and_off():
 def test_recording_an_fp8_spec_takes_its_forward_only():
     """An FP8 spec (forward only): the recorded launches of both generators' modules are the forward and the copy
     of V with its keys contiguous; no backward, no decode kernel."""
-    from attngen.check import load_spec
+    from attngen.lang.check import load_spec
     from attngen.codegen.gluon import build_source as build_gluon, choose
     from attngen.codegen.triton import build_source
-    from attngen.plan import plan
+    from attngen.plan.planner import plan
 
     import tempfile
 
     spec = load_spec("attention f8 {\n head_dim = 128\n dtype = fp8\n mask = q_idx >= kv_idx\n}")
     p = plan(spec, "h100")
     choice = choose(spec, p)
-    for label, source, record in (("triton", build_source(p)[1], lambda m: bundle.record_launches(p, m, 90)),
-                                  ("gluon", build_gluon(choice.gluon)[1], lambda m: bundle.record_gluon_launches(p, choice, m, 90))):
+    for label, source, record_of in (("triton", build_source(p)[1], lambda m: record.record_launches(p, m, 90)),
+                                     ("gluon", build_gluon(choice.gluon)[1], lambda m: record.record_gluon_launches(p, choice, m, 90))):
         path = Path(tempfile.mkdtemp()) / f"f8_{label}.py"
         path.write_text(source)
-        launches = record(bundle._import_compiled(f"test_record_f8_{label}", path, source))
+        launches = record_of(record.import_compiled(f"test_record_f8_{label}", path, source))
         assert {launch.kernel for launch in launches} == {"_attn_fwd", "_keys_contiguous"}, (label, launches)
 
 
@@ -349,7 +352,7 @@ def test_building_into_a_bundle_keeps_its_other_entries(built, tmp_path):
     m = bundle.read_manifest(where)
     assert sorted((e["name"], e["target"]) for e in m["entries"]) == [("causal", "a100"), ("causal", "h100"), ("dense", "h100")]
     for e in m["entries"]:
-        assert bundle._verify_files(where, e)[1] is None
+        assert bundle_manifest._verify_files(where, e)[1] is None
     assert not [p for p in where.parent.iterdir() if p.name.startswith(".")]  # no staging or old copies left behind
     with pytest.raises(attngen.BundleError, match="holds several specs"):
         attngen.load(where)
@@ -388,7 +391,7 @@ def test_bundles_carry_the_gluon_generators_kernels(built_gluon):
     which this attngen renders byte for byte from the spec, and sm_90 binaries of its kernels (the forward, the
     backward and its pre-pass), beside the Triton module and kernels (the CPU, other GPUs, input gradients)."""
     from attngen.codegen.gluon import build_source, choose
-    from attngen.plan import plan
+    from attngen.plan.planner import plan
 
     out, manifest = built_gluon
     (e,) = manifest["entries"]
@@ -396,7 +399,7 @@ def test_bundles_carry_the_gluon_generators_kernels(built_gluon):
     assert (g["forward"], g["backward"]) == ("gluon", "gluon") and g["module"]["path"] == "causal_gluon_h100_gluon.py"
     assert {k["kernel"] for k in g["kernels"]} == {"_attn_fwd", "_attn_bwd", "_bwd_delta"}
     assert {k["kernel"] for k in e["kernels"]} == {"_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_decode", "_decode_combine"}
-    texts, reason = bundle._verify_files(out, e)
+    texts, reason = bundle_manifest._verify_files(out, e)
     assert reason is None and set(texts) == {e["module"]["path"], g["module"]["path"]}
     spec = attngen.load_spec(e["spec"], "manifest")
     assert build_source(choose(spec, plan(spec, "h100")).gluon)[1] == texts[g["module"]["path"]]
@@ -416,20 +419,20 @@ def test_the_bundle_lookup_returns_the_gluon_binaries(built_gluon):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attngen.codegen.gluon import choose
-    from attngen.plan import plan
+    from attngen.plan.planner import plan
 
     out, manifest = built_gluon
     (e,) = manifest["entries"]
     g = e["gluon"]
     spec = attngen.load_spec(e["spec"], "manifest")
     p = plan(spec, "h100")
-    module = bundle._import_compiled("test_bundle_gluon_lookup", out / g["module"]["path"], (out / g["module"]["path"]).read_text())
-    launches = bundle.record_gluon_launches(p, choose(spec, p), module, 90)
+    module = record.import_compiled("test_bundle_gluon_lookup", out / g["module"]["path"], (out / g["module"]["path"]).read_text())
+    launches = record.record_gluon_launches(p, choose(spec, p), module, 90)
     assert sorted(launch.key for launch in launches) == sorted(k["key"] for k in g["kernels"])
     stats = bundle.BundleStats()
     for launch in launches:
         k = next(k for k in g["kernels"] if k["key"] == launch.key)
-        lookup = bundle._PrebuiltCompile("test", {k["key"]: (k["triton_hash"], {n: str(out / f["path"]) for n, f in k["files"].items()})},
+        lookup = aot_loader._PrebuiltCompile("test", {k["key"]: (k["triton_hash"], {n: str(out / f["path"]) for n, f in k["files"].items()})},
                                          True, None, stats)
         compiled = lookup(GluonASTSource(getattr(module, launch.kernel), launch.signature, launch.constexprs, launch.attrs), options=launch.options)
         assert compiled.asm["cubin"] == (out / k["files"][f"{launch.kernel}.cubin"]["path"]).read_bytes()
@@ -445,7 +448,7 @@ def test_a_gluon_bundle_is_checked_like_the_rest(built_gluon, tmp_path):
     with pytest.warns(attngen.BundleWarning, match="no CUDA device is visible"):  # intact: every check but the device
         kern = attngen.load(where)
     assert kern.bundle.used is False
-    path = where / bundle.MANIFEST
+    path = where / bundle_manifest.MANIFEST
     m = json.loads(path.read_text())
     g = m["entries"][0]["gluon"]
     m["entries"][0]["gluon"]["backward"] = "triton"
@@ -458,7 +461,7 @@ def test_a_gluon_bundle_is_checked_like_the_rest(built_gluon, tmp_path):
     module.write_text(text)
     with pytest.raises(attngen.BundleError, match="causal_gluon_h100_gluon.py does not match its sha256"):
         attngen.load(where, strict=True)
-    g["module"]["sha256"] = bundle._sha256(text.encode())
+    g["module"]["sha256"] = bundle_manifest._sha256(text.encode())
     path.write_text(json.dumps(m))
     with pytest.raises(attngen.BundleError, match="generates a different Gluon module for the spec"):
         attngen.load(where, strict=True)
@@ -508,7 +511,7 @@ def test_a_manifest_of_the_wrong_shape_is_refused(change, message, tmp_path):
     """Every field a load reads is checked for its type first: BundleError naming the manifest, not a KeyError or
     TypeError from inside the loader."""
     out = _quick_bundle(tmp_path)
-    path = out / bundle.MANIFEST
+    path = out / bundle_manifest.MANIFEST
     m = json.loads(path.read_text())
     change(m, m["entries"][0])
     path.write_text(json.dumps(m))
@@ -521,7 +524,7 @@ def test_an_edited_spec_in_the_manifest_is_refused_not_compiled(tmp_path):
     """The manifest's spec text edited (its sha256 not): the load raises, where it used to warn and compile the
     edited spec just in time; a spec the caller passes (compile(spec, bundle=)) is found by its own hash."""
     out = _quick_bundle(tmp_path)
-    path = out / bundle.MANIFEST
+    path = out / bundle_manifest.MANIFEST
     m = json.loads(path.read_text())
     m["entries"][0]["spec"] = m["entries"][0]["spec"].replace("q_idx >= kv_idx", "q_idx <= kv_idx")
     path.write_text(json.dumps(m))
@@ -551,7 +554,7 @@ def test_a_build_never_deletes_what_is_not_its_own(tmp_path, monkeypatch):
     with pytest.raises(attngen.BundleError, match="entry causal for h100, which this build would keep, is damaged"):
         bundle.build([ROOT / "specs" / "dense.attn"], ["h100"], out, binaries=False, progress=False)
     bundle.build([ROOT / "specs" / "causal.attn"], ["h100"], out, binaries=False, progress=False)  # rebuilding it mends it
-    assert bundle._verify_files(out, bundle.read_manifest(out)["entries"][0])[1] is None
+    assert bundle_manifest._verify_files(out, bundle.read_manifest(out)["entries"][0])[1] is None
     (tmp_path / "afile").write_text("x")
     assert main(["build", str(ROOT / "specs" / "dense.attn"), "--target", "h100", "--no-binaries", "-q", "-o", str(tmp_path / "afile" / "sub")]) == 2
     (tmp_path / "link").symlink_to(out)

@@ -7,8 +7,8 @@ import pytest
 
 import attngen
 from attngen import cache
-from attngen.check import load_spec
-from attngen.plan import plan
+from attngen.lang.check import load_spec
+from attngen.plan.planner import plan
 from attngen.codegen.triton import build_source
 from attngen.codegen.triton.render import TEMPLATES
 
@@ -91,7 +91,7 @@ def test_cache_dir_is_where_the_module_goes_even_when_imported_before(tmp_path):
     cache_dir as well (it dropped it)."""
     import warnings
 
-    from attngen import bundle
+    import attngen.aot as bundle
 
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     first = attngen.compile(ROOT / "specs" / "causal.attn", "h100", cache_dir=a)

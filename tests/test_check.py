@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from attngen.check import load_spec
+from attngen.lang.check import load_spec
 from attngen.errors import SpecError
-from attngen.expr import format_expr
-from attngen.spec import Binary, Const, DType, LoopOrder, Type, Var
+from attngen.lang.expr import format_expr
+from attngen.lang.spec import Binary, Const, DType, LoopOrder, Type, Var
 
 SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
 
@@ -151,7 +151,7 @@ def test_names_longer_than_the_limit_say_so():
 def test_spec_text_and_paths_are_told_apart(tmp_path):
     """compile()/read_spec take spec text or a path: a path with braces or spaces that exists is read as a file,
     text that starts with `attention` is parsed (its syntax error shown, not 'no such spec file')."""
-    from attngen.check import read_spec
+    from attngen.lang.check import read_spec
     from attngen.errors import AttngenError, SpecSyntaxError
 
     braces = tmp_path / "exp{1} v2" / "small.attn"

@@ -1,8 +1,6 @@
 """The command line: build, plan, targets, check; spec errors print file:line:col and exit 2, writing nothing."""
-import argparse
 import importlib.metadata
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import attngen
-from attngen import verify
-from attngen.cli import build_parser, main
+from attngen.tools import verify
+from attngen.tools.cli import main
 
 ROOT = Path(__file__).parent.parent
 
@@ -131,7 +129,7 @@ def test_check_reports_each_case_before_running_it(monkeypatch, capsys):
 @pytest.mark.slow  # a process of its own (5 s)
 def test_check_prints_only_its_progress_on_stderr():
     """Rows that keep no key (key padding with length 0; kv_outer's padding lanes) have lse = log2(0) = -inf by
-    design: `attngen check` must not show numpy's warnings about it, as it did (issue 15, item 8)."""
+    design: `attngen check` must not show numpy's warnings about it, as it once did."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # check sets it itself for --device cpu
     run = subprocess.run([sys.executable, "-m", "attngen", "check", "specs/key_padding.attn", "specs/causal_fa1.attn", "--quick"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -140,25 +138,11 @@ def test_check_prints_only_its_progress_on_stderr():
     assert len(lines) == 6 and all(line.startswith("attngen check [") for line in lines), run.stderr[-2000:]
 
 
-def test_readme_set_up_is_what_ci_runs_and_says_how_to_get_the_cpu_build():
-    """The README's two set-up commands are the ones .ci/run executes (in a fresh venv), and the set-up says to
-    make a venv and how to get torch's CPU build where pip would otherwise fetch the CUDA one (issue 15, item 7)."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Set-up\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    commands = [line for line in blocks[0].splitlines() if line.strip()]
-    ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert commands == ['pip install torch==2.13.0 ".[test]" && attngen build specs/causal.attn --target h100', "python -m pytest -n auto"]
-    assert commands[0] in ci and commands[1] in ci
-    assert "python3 -m venv" in "\n".join(ci) and "python -m venv .venv && . .venv/bin/activate" in section
-    assert any("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in b for b in blocks[1:])
-
-
 @pytest.mark.slow  # two pytest processes collecting the suite (10 s)
 def test_the_quick_subset_leaves_out_the_slow_tests():
-    """`-m "not slow"` (README, Set-up) drops what compiles for sm_90, starts processes or runs long, and only that
-    (issue 15, item 10); an unregistered marker is an error (--strict-markers), so a misspelt `slow` cannot slip
-    a test into the quick subset."""
+    """`-m "not slow"` (README, Set-up) drops what compiles for sm_90, starts processes or runs long, and only that;
+    an unregistered marker is an error (--strict-markers), so a misspelt `slow` cannot slip a test into the quick
+    subset."""
     def collect(*args):
         run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
@@ -172,45 +156,6 @@ def test_the_quick_subset_leaves_out_the_slow_tests():
                  "test_cli.py::test_check_prints_only_its_progress_on_stderr"):
         assert any(name in t for t in slow) and not any(name in t for t in quick), name
     assert "--strict-markers" in (ROOT / "pyproject.toml").read_text()
-
-
-def _synopsis() -> dict[str, str]:
-    """The README's command-line synopsis: each line's command (or --version) -> the line, comment dropped."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
-    return {line.split()[1]: line.split("#", 1)[0].rstrip() for line in block.splitlines() if line.startswith("attngen ")}
-
-
-def _options(line: str) -> dict[str, bool]:
-    """Each option a synopsis line shows -> whether it is required (first shown outside brackets)."""
-    found, depth = {}, 0
-    for m in re.finditer(r"\[|\]|(?<![\w-])(--?[a-z][\w-]*)", line):
-        if m.group() == "[":
-            depth += 1
-        elif m.group() == "]":
-            depth -= 1
-        else:
-            found.setdefault(m.group(1), depth == 0)
-    return found
-
-
-def test_readme_synopsis_matches_the_parser():
-    """Every option of every command is in the README's synopsis (by one of its spellings), marked optional unless
-    it is required, and the synopsis shows nothing the parser does not take."""
-    parser = build_parser()
-    synopsis = _synopsis()
-    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(synopsis) == set(commands.choices) | {"--version"}
-    assert _options(synopsis["--version"]) == {"--version": True}
-    for name, sub in commands.choices.items():
-        shown = _options(synopsis[name])
-        actions = [a for a in sub._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
-        for action in actions:
-            spelled = [opt for opt in action.option_strings if opt in shown]
-            assert len(spelled) == 1, f"attngen {name}: the README shows {action.option_strings} {len(spelled)} times"
-            assert shown[spelled[0]] == action.required, f"attngen {name} {spelled[0]}: required is {action.required}"
-        assert set(shown) <= {opt for a in actions for opt in a.option_strings}, f"attngen {name}: the README shows an unknown option"
 
 
 def test_console_script_runs_from_another_directory(tmp_path):
@@ -235,22 +180,6 @@ def test_no_command_prints_the_full_help(capsys):
     assert out.startswith("usage: attngen") and "Compile .attn attention specs" in out
     for command in ("build", "plan", "check", "bench", "targets"):
         assert f"    {command}" in out, command
-
-
-def test_readme_api_section_links_every_public_name():
-    """Each name attngen exports (and attngen.hf.register) has a row in the README's API table that links its
-    source file, and each link and section anchor in that table exists."""
-    import re
-
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Python API"):readme.index("## Serving")]
-    links = dict(re.findall(r"\[`(attngen\.[\w.]+)`\]\(([\w/.]+)\)", section))
-    names = {f"attngen.{n}" for n in attngen.__all__} | {"attngen.hf.register"}
-    assert names <= set(links), sorted(names - set(links))
-    assert all((ROOT / path).is_file() for path in links.values())
-    headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in re.findall(r"^## (.+)$", readme, re.M)}
-    anchors = set(re.findall(r"\]\(#([\w-]+)\)", section))
-    assert anchors and anchors <= headings, sorted(anchors - headings)
 
 
 @pytest.mark.parametrize("argv, message", [(["--seq", "-5"], "--seq: -5: must be at least 1"), (["--seq", "0"], "--seq: 0: must be at least 1"),

@@ -1,4 +1,4 @@
-"""torch.compile over attngen kernels (issue 17): under torch.compile a kernel call is a pair of torch.library
+"""torch.compile over attngen kernels: under torch.compile a kernel call is a pair of torch.library
 custom ops (forward, backward), so `fullgraph=True` traces a model that calls one, with dynamic shapes, under
 no_grad and in training, with declared inputs and their gradients, dropout, runtime block masks and return_lse,
 and packed sequences (cu_seqlens: a pair of ops of their own).
@@ -12,10 +12,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attngen
-from attngen import verify
-from attngen.dtypes import TORCH_DTYPES
-from attngen.check import load_spec
-from attngen.verify import _bound
+from attngen.tools import verify
+from attngen.runtime.checks import dropout_args
+from attngen.runtime.dtypes import TORCH_DTYPES
+from attngen.lang.check import load_spec
+from attngen.tools.verify import _bound
 
 SPECS = {p.stem: p for p in sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))}
 
@@ -218,7 +219,7 @@ def test_opcheck_passes_for_every_shipped_spec(name, device, target):
             torch.library.opcheck(ops.decode, decode_args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     if spec.kv_layout.value == "paged":
         return  # a paged cache has no training ops to check
-    p, seed = kern._dropout_args(None, 5, q.device)
+    p, seed = dropout_args(kern.spec, None, 5, q.device)
     forward_args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), tensors, p, seed, block_mask)
     torch.library.opcheck(ops.forward, forward_args)
     o, lse = ops.forward(*forward_args)

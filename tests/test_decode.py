@@ -1,4 +1,4 @@
-"""Decoding (attngen/decode.py, templates/triton/decode.py.jinja): a few queries per sequence against a key/value
+"""Decoding (attngen/plan/decode.py, templates/triton/decode.py.jinja): a few queries per sequence against a key/value
 cache, contiguous with per-sequence lengths or paged through a block table. Every result is checked against the
 float64 reference within attngen.verify's budget (twice the error of same-precision naive attention, plus a
 floor), with NaN written into every part of the cache a sequence does not own; splits, pages and grouped-query
@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import attngen
-from attngen import decode, kvcache, verify
-from attngen.check import load_spec
-from attngen.dtypes import TORCH_DTYPES
+from attngen.plan import decode
+from attngen import kvcache
+from attngen.tools import verify
+from attngen.lang.check import load_spec
+from attngen.runtime.dtypes import TORCH_DTYPES
 from attngen.errors import InputError, SpecError
-from attngen.verify import _bound
+from attngen.tools.verify import _bound
 
 ROOT = Path(__file__).parent.parent
 HQ, HKV = 8, 2
@@ -326,8 +328,8 @@ def test_what_decoding_does_not_do_is_refused(device):
 def test_paged_layout_in_the_spec_language():
     spec = _spec("kv_layout = paged\n page_size = 64")
     assert spec.kv_layout.value == "paged" and spec.page_size == 64
-    assert "kv_layout = paged" in attngen.canonical.format_spec(spec) and "page_size = 64" in attngen.canonical.format_spec(spec)
-    assert "kv_layout" not in attngen.canonical.format_spec(_spec(""))  # the hashes of contiguous specs stay what they were
+    assert "kv_layout = paged" in attngen.lang.canonical.format_spec(spec) and "page_size = 64" in attngen.lang.canonical.format_spec(spec)
+    assert "kv_layout" not in attngen.lang.canonical.format_spec(_spec(""))  # the hashes of contiguous specs stay what they were
     with pytest.raises(SpecError, match="page_size goes with kv_layout = paged"):
         _spec("page_size = 32")
     with pytest.raises(SpecError, match="page_size = 24 must be a power of two"):
@@ -342,7 +344,7 @@ def test_the_split_fills_the_gpu_from_the_shapes_alone():
     """The split depends on the batch, heads and cache capacity, never on the lengths' values (CUDA graphs): few
     (sequence, head) pairs on a long cache are split to fill the SMs; many pairs are not split; each run keeps
     at least MIN_KEYS_PER_SPLIT keys."""
-    p = attngen.plan.plan(_spec("", "bf16", 128), "h100")
+    p = attngen.plan.planner.plan(_spec("", "bf16", 128), "h100")
     sms = p.target.sm_count
     one = decode.decode_shape(p, 1, 32, 8, 1, 131072)
     assert one.splits > 1 and one.programs >= 0.9 * decode.PROGRAMS_PER_SM * sms
@@ -363,7 +365,7 @@ def test_the_split_divides_the_key_tiles_evenly_over_the_sms():
     256 keys)."""
     for spec, keys, tiles_per_program in ((_spec("", "bf16", 128), 8192, 8), (_spec("", "bf16", 128), 32768, 32),
                                           (_spec("kv_layout = paged", "bf16", 128), 4096, 2)):
-        p = attngen.plan.plan(spec, "h100")
+        p = attngen.plan.planner.plan(spec, "h100")
         s = decode.decode_shape(p, 1, 32, 8, 1, keys)
         assert p.target.sm_count == 132 and s.programs <= 132
         assert -(-keys // p.decode_block_n // s.splits) == tiles_per_program, (keys, s)

@@ -12,10 +12,10 @@ import torch
 
 import attngen
 import attngen.distributed
-from attngen import verify
-from attngen.dtypes import TORCH_DTYPES
+from attngen.tools import verify
+from attngen.runtime.dtypes import TORCH_DTYPES
 from attngen.errors import InputError
-from attngen.verify import _bound
+from attngen.tools.verify import _bound
 
 pytestmark = pytest.mark.slow  # starts processes; each runs the kernels in Triton's interpreter
 

@@ -11,11 +11,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import EDGE_INPUTS, bool_exprs, edge_bool_exprs, edge_float_exprs, edge_int_exprs, float_exprs, int_exprs
 
-from attngen import expr as ex
-from attngen.dtypes import TORCH_DTYPES
-from attngen.naive import evaluate
-from attngen.spec import Binary, Call, Const, Index, InputDecl, Type, Var
-from attngen.syntax import parse
+from attngen.lang import expr as ex
+from attngen.lang import algebra
+from attngen.lang import analysis
+from attngen.codegen import expr as lowering
+from attngen.runtime.dtypes import TORCH_DTYPES
+from attngen.tools.reference import evaluate
+from attngen.lang.spec import Binary, Call, Const, Index, InputDecl, Type, Var
+from attngen.lang.syntax import parse
 
 SCOPE = ex.Scope("score", ex.SCORE_VARS, {})
 
@@ -41,7 +44,7 @@ def _env(device="cpu"):
 def test_folding_keeps_integer_and_boolean_values(e):
     env = _env()
     before = torch.as_tensor(evaluate(e, env, {}, SCOPE, torch.float64))
-    after = torch.as_tensor(evaluate(ex.fold(e, SCOPE), env, {}, SCOPE, torch.float64))
+    after = torch.as_tensor(evaluate(algebra.fold(e, SCOPE), env, {}, SCOPE, torch.float64))
     assert torch.equal(torch.broadcast_to(before, (12, 13)), torch.broadcast_to(after, (12, 13)))
 
 
@@ -56,7 +59,7 @@ def test_derivative_matches_autograd(e):
     else:
         auto = None  # a constant expression
     auto = torch.zeros_like(score) if auto is None else auto
-    ours = torch.as_tensor(evaluate(ex.derivative(e, SCOPE), {"score": score.detach()}, {}, SCOPE, torch.float64), dtype=torch.float64)
+    ours = torch.as_tensor(evaluate(algebra.derivative(e, SCOPE), {"score": score.detach()}, {}, SCOPE, torch.float64), dtype=torch.float64)
     ours = ours.broadcast_to(score.shape)
     assert not torch.isnan(ours).any()
     # min/max/where/abs are not differentiable at ties; compare away from them
@@ -68,7 +71,7 @@ def test_derivative_matches_autograd(e):
 def test_read_derivative_matches_autograd(e):
     """d e / d w[h] for a score expression whose `score` leaves read an input instead (plus a score term, whose
     derivative with respect to the read is 0), against torch autograd through the read."""
-    from attngen.spec import Binary, Index, Var
+    from attngen.lang.spec import Binary, Index, Var
 
     read = Index("w", (Var("h"),))
     e = Binary("+", ex.substitute(e, {"score": read}), Binary("*", Const(0.5, Type.FLOAT), Var("score")))
@@ -78,7 +81,7 @@ def test_read_derivative_matches_autograd(e):
     value = torch.as_tensor(evaluate(e, env, {"w": w}, scope, torch.float64)).broadcast_to(w.shape)
     (auto,) = torch.autograd.grad(value.sum(), w, allow_unused=True) if value.requires_grad else (None,)
     auto = torch.zeros_like(w) if auto is None else auto  # a constant expression
-    ours = torch.as_tensor(evaluate(ex.read_derivative(e, scope, read), env, {"w": w.detach()}, scope, torch.float64), dtype=torch.float64)
+    ours = torch.as_tensor(evaluate(algebra.read_derivative(e, scope, read), env, {"w": w.detach()}, scope, torch.float64), dtype=torch.float64)
     ours = ours.broadcast_to(w.shape)
     assert not torch.isnan(ours).any()
     assert torch.allclose(ours, auto, rtol=1e-9, atol=1e-9) or _ties_explain(e, ours, auto)
@@ -97,7 +100,7 @@ def _has_kink(e):
 
 def test_derivative_of_softcap_is_sech_squared():
     cap = parse("attention t { score = 30.0 * tanh(score / 30.0) }").settings[0].value
-    d = ex.derivative(cap, SCOPE)
+    d = algebra.derivative(cap, SCOPE)
     s = torch.linspace(-90, 90, 11, dtype=torch.float64)
     got = evaluate(d, {"score": s}, {}, SCOPE, torch.float64)
     assert torch.allclose(got, 1 / torch.cosh(s / 30.0) ** 2, rtol=1e-12)
@@ -106,7 +109,7 @@ def test_derivative_of_softcap_is_sech_squared():
 def test_derivative_ignores_terms_without_score():
     e = parse("attention t { score = score - slopes[h] * (q_idx - kv_idx) }").settings[0].value
     scope = ex.Scope("score", ex.SCORE_VARS, {"slopes": InputDecl("slopes", "fp32", ("H",))})
-    assert ex.derivative(e, scope) == Const(1.0, Type.FLOAT)
+    assert algebra.derivative(e, scope) == Const(1.0, Type.FLOAT)
 
 
 # ---- lowering: run the generated Triton code in the interpreter ---------------------------------------
@@ -133,7 +136,7 @@ _counter = [0]
 
 def _run_lowered(e, tmp_path):
     t = ex.typeof(e, SCOPE)
-    lowerer = ex.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}))
+    lowerer = lowering.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}))
     low = lowerer.lower_all([e])
     value = low.exprs[0]
     if t is Type.BOOL:
@@ -143,7 +146,7 @@ def _run_lowered(e, tmp_path):
     else:
         zero_type, out_dtype = "tl.float32", torch.float32
     stmts = "\n".join("    " + s for s in low.outer + low.inner)
-    src = KERNEL.format(helpers="\n\n".join(ex.HELPERS[h] for h in sorted(lowerer.helpers)), stmts=stmts, value=value, zero_type=zero_type)
+    src = KERNEL.format(helpers="\n\n".join(lowering.HELPERS[h] for h in sorted(lowerer.helpers)), stmts=stmts, value=value, zero_type=zero_type)
     _counter[0] += 1
     path = tmp_path / f"lowered_{_counter[0]}.py"
     path.write_text(src)
@@ -199,8 +202,8 @@ def test_lowered_float_code_matches_torch(e, tmp_path):
 )
 def test_lowering_is_readable(text, code):
     e = parse(f"attention t {{ mask = {text} }}").settings[0].value
-    lowerer = ex.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx"}))
-    assert lowerer.lower_all([ex.fold(e, SCOPE)]).exprs[0] == code
+    lowerer = lowering.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx"}))
+    assert lowerer.lower_all([algebra.fold(e, SCOPE)]).exprs[0] == code
 
 
 @pytest.mark.parametrize(
@@ -221,18 +224,18 @@ def test_lowering_is_readable(text, code):
     ],
 )
 def test_positions_in_float_are_converted_leaf_by_leaf(text, code, positions):
-    """expr.FLOAT_POSITIONS: no conversion per score where a row and a column index meet in a float context."""
+    """codegen.expr.FLOAT_POSITIONS: no conversion per score where a row and a column index meet in a float context."""
     e = parse(f"attention t {{ score = {text} }}").settings[0].value
     try:
         ex.typeof(e, SCOPE)
     except Exception:
         assert code is None  # (a boolean is no number here: the case only shows that nothing is converted)
         return
-    lowerer = ex.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}), positions_leafwise=True)
+    lowerer = lowering.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}), positions_leafwise=True)
     low = lowerer.lower_all([e])
     assert low.exprs[0] == code and lowerer.positions_in_float == positions
     # (only where asked: the Gluon backward's lowering)
-    plain = ex.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}))
+    plain = lowering.Lowerer(SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}))
     assert "_f_" not in plain.lower_all([e]).exprs[0] and not plain.positions_in_float
     assert ("_position_f32" in lowerer.helpers) == positions
     if positions:
@@ -244,11 +247,11 @@ def test_positions_in_float_are_exact_up_to_their_limit(tmp_path, device):
     """The leaf-by-leaf conversion gives the converted integer bit for bit for every position and length the
     runtime lets through (<= FLOAT_POSITIONS = 2**23), checked at those edges; past it (2**24 + 1, which the
     runtime refuses) it would not, which is why the limit is enforced."""
-    from attngen.spec import Var
+    from attngen.lang.spec import Var
 
     diff = Binary("-", Binary("+", Var("q_idx"), Var("kv_len")), Binary("+", Var("kv_idx"), Var("q_len")))
     e = Binary("*", Const(0.75, Type.FLOAT), diff)
-    limit = ex.FLOAT_POSITIONS
+    limit = lowering.FLOAT_POSITIONS
     for scalars in ({"b": 0, "h": 0, "q_len": limit, "kv_len": limit}, {"b": 0, "h": 0, "q_len": 1, "kv_len": limit},
                     {"b": 0, "h": 0, "q_len": limit, "kv_len": 0}):
         got, want, src = _run_edge(e, tmp_path, device, scalars, leafwise=True)
@@ -264,9 +267,9 @@ def test_nonnegative_is_sound_on_examples():
     for text in ["q_idx // 3", "abs(q_idx - kv_idx)", "q_len - q_idx", "min(q_idx, kv_idx) % 4", "(q_idx - 5) * 2"]:
         e = parse(f"attention t {{ mask = {text} }}").settings[0].value
         value = torch.as_tensor(evaluate(e, {**env, "q_idx": env["q_idx"].clamp(min=0), "kv_idx": env["kv_idx"].clamp(min=0)}, {}, SCOPE, torch.float64))
-        if ex.nonnegative(e):
+        if analysis.nonnegative(e):
             assert (value >= 0).all(), text
-    assert not ex.nonnegative(parse("attention t { mask = q_len - q_idx }").settings[0].value)
+    assert not analysis.nonnegative(parse("attention t { mask = q_len - q_idx }").settings[0].value)
 
 
 # ---- edge values: the lowered kernel code and the reference agree exactly -------------------------------------
@@ -307,7 +310,7 @@ def _eval_kernel(Out, Q, S, b, h, q_len, kv_len, {params}, BM: tl.constexpr, BN:
 
 def _edge_tensors(device, limit=None):
     """limit: the largest length of a call (positions below it), as the runtime enforces for code that converts
-    positions to float leaf by leaf (expr.FLOAT_POSITIONS)"""
+    positions to float leaf by leaf (codegen.expr.FLOAT_POSITIONS)"""
     q = torch.tensor(EDGE_Q if limit is None else [min(x, limit - 1) for x in EDGE_Q], dtype=torch.int32, device=device)
     gen = torch.Generator().manual_seed(0)
     score = torch.tensor(EDGE_FLOATS)[torch.randint(0, 16, (16, 16), generator=gen)].to(device)
@@ -316,7 +319,7 @@ def _edge_tensors(device, limit=None):
 
 
 def _run_edge(e, tmp_path, device, scalars, leafwise=False):
-    from attngen.check import _check_arithmetic
+    from attngen.lang.check import _check_arithmetic
     from attngen.errors import SpecError
 
     try:
@@ -324,8 +327,8 @@ def _run_edge(e, tmp_path, device, scalars, leafwise=False):
     except SpecError:
         return None  # refused at check time, never lowered
     t = ex.typeof(e, EDGE_SCOPE)
-    lowerer = ex.Lowerer(EDGE_SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}), positions_leafwise=leafwise)
-    folded = ex.fold(e, EDGE_SCOPE)  # the kernels see constant subexpressions folded (exactly, or in float64)
+    lowerer = lowering.Lowerer(EDGE_SCOPE, {v: v for v in ex.SCORE_VARS}, frozenset({"kv_idx", "score"}), positions_leafwise=leafwise)
+    folded = algebra.fold(e, EDGE_SCOPE)  # the kernels see constant subexpressions folded (exactly, or in float64)
     low = lowerer.lower_all([folded])
     value = low.exprs[0]
     if t is Type.BOOL:
@@ -336,7 +339,7 @@ def _run_edge(e, tmp_path, device, scalars, leafwise=False):
         zero_type, out_dtype = "tl.float32", torch.float32
     params = ", ".join(f"in_{n}_ptr, in_{n}_stride_0, in_{n}_size_0" for n in EDGE_INPUTS)
     stmts = "\n".join("    " + s for s in low.outer + low.inner)
-    src = EDGE_KERNEL.format(helpers="\n\n".join(ex.HELPERS[h] for h in sorted(lowerer.helpers)), stmts=stmts, value=value,
+    src = EDGE_KERNEL.format(helpers="\n\n".join(lowering.HELPERS[h] for h in sorted(lowerer.helpers)), stmts=stmts, value=value,
                              zero_type=zero_type, params=params)
     _counter[0] += 1
     path = tmp_path / f"edge_{_counter[0]}.py"
@@ -345,7 +348,7 @@ def _run_edge(e, tmp_path, device, scalars, leafwise=False):
     mod = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
-    limit = ex.FLOAT_POSITIONS if lowerer.positions_in_float else None  # longer calls are refused then (runtime)
+    limit = lowering.FLOAT_POSITIONS if lowerer.positions_in_float else None  # longer calls are refused then (runtime)
     if limit is not None:
         scalars = {**scalars, "q_len": min(scalars["q_len"], limit), "kv_len": min(scalars["kv_len"], limit)}
     q, score, inputs = _edge_tensors(device, limit)
@@ -370,7 +373,7 @@ _EDGE_SETTINGS_SMALL = settings(max_examples=40 if __import__("os").environ.get(
 
 def _position_sums():
     """Sums of positions, lengths and small constants (+, -, negation): what the leafwise lowering takes."""
-    from attngen.spec import Unary, Var
+    from attngen.lang.spec import Unary, Var
 
     leaves = st.one_of(st.sampled_from([Var("q_idx"), Var("kv_idx"), Var("q_len"), Var("kv_len")]),
                        st.integers(-300, 300).map(lambda c: Const(c, Type.INT)))
@@ -383,7 +386,7 @@ def _position_sums():
 def test_random_sums_of_positions_in_float_are_exact(total, scalars, tmp_path, device):
     """Any sum the leafwise lowering takes gives the converted integer bit for bit, at the largest positions and
     lengths a call may have then (FLOAT_POSITIONS) as at small ones."""
-    assume(ex._positions_in_float(total))
+    assume(lowering.positions_in_float(total))
     got, want, src = _run_edge(Binary("*", Const(0.75, Type.FLOAT), total), tmp_path, device, scalars, leafwise=True)
     assert "_position_f32(" in src
     assert torch.equal(got.cpu(), want.cpu().float()), f"{ex.format_expr(total)}\n{src}"
@@ -411,11 +414,11 @@ def test_a_tiny_float_quotient_floors_to_a_signed_zero(tmp_path, device):
     """-1.0 / 3e38 is below float32's normals, which the GPU's division flushes to -0.0: floor gives -0.0 there
     and -1.0 from the exact quotient. The language takes the GPU's answer everywhere (kernel, reference, folding),
     so the H100 run of the edge tests and the CPU agree."""
-    from attngen.spec import Binary, Const, Index, Var
+    from attngen.lang.spec import Binary, Const, Index, Var
 
-    assert math.copysign(1.0, ex._floordiv(-1.0, 3e38)) == -1.0 and ex._floordiv(-1.0, 3e38) == 0.0
-    assert ex._pymod(-1.0, 3e38) == -1.0 and ex._floordiv(-3.75, 2.0) == -2.0
-    folded = ex.fold(Binary("//", Const(-1.0, Type.FLOAT), Const(3e38, Type.FLOAT)), EDGE_SCOPE)
+    assert math.copysign(1.0, algebra.floordiv(-1.0, 3e38)) == -1.0 and algebra.floordiv(-1.0, 3e38) == 0.0
+    assert algebra.pymod(-1.0, 3e38) == -1.0 and algebra.floordiv(-3.75, 2.0) == -2.0
+    folded = algebra.fold(Binary("//", Const(-1.0, Type.FLOAT), Const(3e38, Type.FLOAT)), EDGE_SCOPE)
     assert isinstance(folded, Const) and math.copysign(1.0, folded.value) == -1.0
     got, want, _ = _run_edge(Binary("//", Var("score"), Index("f", (Var("kv_idx"),))), tmp_path, device,
                              {"b": 0, "h": 0, "q_len": 1, "kv_len": 1})
@@ -453,7 +456,7 @@ def test_lowered_functions_match_the_reference_at_edges(func, tmp_path, device):
     """exp, log, sqrt, tanh and sigmoid of NaN, +-inf, +-0, huge, tiny and negative values: the same NaNs (log and
     sqrt of negatives, anything of NaN) and infinities (exp overflow, log 0) as torch, finite values to float32
     accuracy (absolute 1e-7 for tanh near 0, which the kernels compute through exp2)."""
-    from attngen.spec import Index, Var
+    from attngen.lang.spec import Index, Var
 
     for arg in (Var("score"), Index("f", (Var("kv_idx"),))):
         got, want, src = _run_edge(Call(func, (arg,)), tmp_path, device, {"b": 0, "h": 0, "q_len": 1, "kv_len": 1})
@@ -465,7 +468,7 @@ def test_lowered_functions_match_the_reference_at_edges(func, tmp_path, device):
         assert torch.allclose(got[finite], want[finite], rtol=4e-6, atol=1e-7), src
 
 
-# ---- separable biases: score + L(q_idx, kv_idx), added by the Gluon kernels as a key part (expr.separable_bias) ----
+# ---- separable biases: score + L(q_idx, kv_idx), added by the Gluon kernels as a key part (lang.analysis.separable_bias) ----
 BIAS_SPEC = """attention t {{
     head_dim = 64
     input slopes: fp32[H]
@@ -477,7 +480,7 @@ BIAS_SPEC = """attention t {{
 
 
 def _bias_spec(score: str):
-    from attngen.check import load_spec
+    from attngen.lang.check import load_spec
 
     return load_spec(BIAS_SPEC.format(score=score))
 
@@ -511,7 +514,7 @@ def _bias_env(q, kv, generator):
 def test_separable_biases_are_recognized(score, separable):
     spec = _bias_spec(score)
     scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
-    assert (ex.separable_bias(spec.score, scope) is not None) == separable
+    assert (analysis.separable_bias(spec.score, scope) is not None) == separable
 
 
 def _parts_agree(bias, scope, inputs, q, kv, r):
@@ -529,7 +532,7 @@ def _parts_agree(bias, scope, inputs, q, kv, r):
     whole = torch.as_tensor(evaluate(bias, env, inputs, scope, torch.float64), dtype=torch.float64).broadcast_to((q.shape[0], kv.shape[1]))
     split = (part("row", q) + part("key", None)).broadcast_to(whole.shape)
     assert torch.allclose(split, whole, rtol=1e-12, atol=1e-9), (ex.format_expr(bias), r)
-    if ex.affine_in(bias, "kv_idx"):
+    if analysis.affine_in(bias, "kv_idx"):
         kv_lo, off = 16, kv - 16
         assert torch.allclose((part("tile", kv_lo) + part("step", off)).broadcast_to(kv.shape),
                               part("key", None).broadcast_to(kv.shape), rtol=1e-12, atol=1e-9)
@@ -540,7 +543,7 @@ def _parts_agree(bias, scope, inputs, q, kv, r):
 def test_a_separable_bias_is_its_row_part_plus_its_key_part(score):
     spec = _bias_spec(score)
     scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
-    bias = ex.separable_bias(spec.score, scope)
+    bias = analysis.separable_bias(spec.score, scope)
     g = torch.Generator().manual_seed(0)
     q, kv = torch.arange(40).view(-1, 1), torch.arange(48).view(1, -1)
     _, inputs = _bias_env(q, kv, g)
@@ -570,7 +573,7 @@ def test_every_bias_taken_as_separable_splits_exactly(terms, mixed, ops, factor,
     if factor is not None:
         rest = Binary("*", factor, rest)
     e = Binary("+", Var("score"), rest)
-    bias = ex.separable_bias(e, scope)
+    bias = analysis.separable_bias(e, scope)
     if not with_mixed:
         assert bias is not None, ex.format_expr(e)  # a sum of terms of one index each is always taken
     assume(bias is not None)
@@ -619,12 +622,12 @@ def test_lowered_bias_parts_add_up_to_the_bias(score, tmp_path):
     run in the interpreter: the row part plus the key part (or, affine, the tile's and the step's) is L(q, kv)
     within float32 rounding of the reference's float64, for a ref row inside the tile and one far from it."""
     from attngen.codegen.lowering import key_part_affine, lower_bias
-    from attngen.plan import plan
+    from attngen.plan.planner import plan
 
     spec = _bias_spec(score)
     p = plan(spec, "h100")
     scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
-    bias = ex.separable_bias(p.score, scope)
+    bias = analysis.separable_bias(p.score, scope)
     helpers: set[str] = set()
     key = lower_bias(p, "key", "", "q_ref", frozenset({"kv_idx"}), helpers, "k_")
     row = lower_bias(p, "row", "offs_m", "q_ref", frozenset(), helpers, "r_")
@@ -635,7 +638,7 @@ def test_lowered_bias_parts_add_up_to_the_bias(score, tmp_path):
     def stmts(code, indent):
         return "\n".join(" " * indent + line for line in code.outer + code.inner) or " " * indent + "pass"
 
-    src = BIAS_KERNEL.format(helpers="\n\n".join(ex.HELPERS[h] for h in sorted(helpers)), key_stmts=stmts(key, 4), key=key.code,
+    src = BIAS_KERNEL.format(helpers="\n\n".join(lowering.HELPERS[h] for h in sorted(helpers)), key_stmts=stmts(key, 4), key=key.code,
                              tile_stmts=stmts(tile, 8), step_stmts=stmts(step, 8), tile=tile.code, step=step.code,
                              row_stmts=stmts(row, 4), row=row.code)
     path = tmp_path / "bias_parts.py"

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import attngen
-from attngen import fp8, verify
-from attngen.check import load_spec
+from attngen import fp8
+from attngen.tools import verify
+from attngen.lang.check import load_spec
 from attngen.codegen.gluon import choose
 from attngen.errors import InputError, PlanError
-from attngen.plan import plan
+from attngen.plan.planner import plan
 
 LN2 = math.log(2.0)
 B, HQ, HKV, N, D = 2, 4, 2, 300, 64
@@ -216,7 +217,7 @@ def test_the_gluon_fp8_forward_compiles_for_sm90(tmp_path):
     path = tmp_path / "fp8_gluon.py"
     path.write_text(build_source(plan_gluon(plan(load_spec(CAUSAL.replace("head_dim = 64", "head_dim = 128")), "h100")))[1])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path)], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "attngen.aot.gluon_binaries", str(path)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     (r,) = [json.loads(line) for line in run.stdout.splitlines()]
     assert r["kernel"] == "_attn_fwd" and r["wgmma"] and r["tma"] and {"24", "240"} <= set(r["setmaxnreg"]) and r["spill_bytes"] == 0, r
@@ -260,7 +261,7 @@ def test_fp8_kernels_on_the_gpu_against_float64(name, granularity, device):
 def test_outliers_with_blocks_and_the_rotation_on_the_gpu(device):
     """FlashAttention-3's accuracy experiment (its section 4.3): Q, K, V standard normal plus, on 0.1 % of the
     entries, a normal term of standard deviation 10; O's RMSE against float64 attention of the unquantized inputs.
-    Issue 21's bound: <= 1e-2 with per-block scales and the Hadamard rotation (FlashAttention-3 reports 9.1e-3), and
+    The bound: <= 1e-2 with per-block scales and the Hadamard rotation (FlashAttention-3 reports 9.1e-3), and
     the rotation must beat per-tensor scales without it (2.4e-2 there)."""
     _gpu_only(device)
     n, heads, d = 2048, 4, 128
@@ -360,7 +361,7 @@ def test_what_an_fp8_cache_call_refuses():
 def test_attngen_check_takes_fp8_specs(text, device):
     """`attngen check` (attngen.verify) quantizes the inputs of an FP8 spec, or fills FP8 caches, and checks the
     forward against float64 of the dequantized values; FP8 has no backward to check."""
-    from attngen import verify
+    from attngen.tools import verify
 
     kern = attngen.compile(text, "h100" if device == "cpu" else None)
     res = verify.check_one(kern, (2, 4, 2, 17, 33), device)

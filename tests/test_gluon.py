@@ -16,17 +16,17 @@ import pytest
 import torch
 
 import attngen
-from attngen import verify
-from attngen.bundle import takes_packed
-from attngen.dtypes import TORCH_DTYPES
-from attngen.check import load_spec
-from attngen.cli import main
+from attngen.tools import verify
+from attngen.aot.record import takes_packed
+from attngen.runtime.dtypes import TORCH_DTYPES
+from attngen.lang.check import load_spec
+from attngen.tools.cli import main
 from attngen.codegen.gluon import choose, plan_gluon, render, unsupported
 from attngen.codegen.gluon.lower import Untranslatable, translate
 from attngen.errors import PlanError
-from attngen.layout import empty_laid_out, heads_in_rows
-from attngen.plan import plan
-from attngen.spec import Backend, DType
+from attngen.runtime.layout import empty_laid_out, heads_in_rows
+from attngen.plan.planner import plan
+from attngen.lang.spec import Backend, DType
 
 ROOT = Path(__file__).parent.parent
 SPECS = {p.stem: p for p in sorted((ROOT / "specs").glob("*.attn"))}
@@ -124,13 +124,14 @@ def test_a_call_takes_the_generators_its_length_gives(monkeypatch, device):
     than 1024, the Triton generator's kernels both ways; from 1024, the Gluon module's. Stand-ins for the Gluon
     module's launchers record their calls (on the CPU machine the device is taken for an sm_90); the short call runs
     the Triton kernels, checked against the float64 reference."""
-    import attngen.runtime as runtime
+    from attngen.runtime import kernel as kernel_module
+    from attngen.runtime.loader import is_sm90
 
     kern = attngen.compile(_spec("causal", head_dim=64, dtype=DType.FP16), "h100")  # fp16: the interpreter's arithmetic
     assert kern.generator.min_keys == 1024 and kern.gluon is not None
     if device == "cpu":
-        monkeypatch.setattr(runtime, "_is_sm90", lambda dev: True)
-    elif not runtime._is_sm90(torch.device(device)):
+        monkeypatch.setattr(kernel_module, "is_sm90", lambda dev: True)
+    elif not is_sm90(torch.device(device)):
         pytest.skip("the Gluon generator's calls need an sm_90 GPU")
     seen = []
 
@@ -237,7 +238,7 @@ def test_the_head_dim_256_forward_compiles_for_sm90(tmp_path):
     path = tmp_path / "d256_gluon.py"
     path.write_text(build_source(plan_gluon(plan(_spec("causal_dropout", head_dim=256), "h100")))[1])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path), "bf16"], env=env,
+    run = subprocess.run([sys.executable, "-m", "attngen.aot.gluon_binaries", str(path), "bf16"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
@@ -327,8 +328,8 @@ def test_which_generator_renders_the_backward():
     unordered = _spec("block_sparse_runtime", head_dim=128, deterministic=False)  # its waits are what cost: measured faster
     assert choose(unordered, plan(unordered, "h100")).backward == "gluon"
     # tile classes from the input pre-pass (documents): the Gluon backward at head_dim 128 in both settings (1.05-1.08x
-    # the Triton one in order, 1.09-1.11x in no order, session 17), the Triton generator at 64 (the backward 0.85x,
-    # session 15; the forward 0.87-0.92x, session 23)
+    # the Triton one in order, 1.09-1.11x in no order, 2026-11-26), the Triton generator at 64 (the backward 0.85x,
+    # 2026-11-26; the forward 0.87-0.92x, 2026-11-27)
     docs = _spec("document", head_dim=128)
     c = choose(docs, plan(docs, "h100"))
     assert (c.generator, c.backward) == ("gluon", "gluon") and "1.05-1.08x" in c.backward_reason
@@ -349,7 +350,7 @@ def test_which_generator_renders_the_backward():
 def test_the_deterministic_setting():
     spec = load_spec("attention t { head_dim = 64 deterministic = false }")
     assert spec.deterministic is False and load_spec("attention t { head_dim = 64 }").deterministic is True
-    from attngen.canonical import format_spec, spec_hash
+    from attngen.lang.canonical import format_spec, spec_hash
     assert "deterministic = false" in format_spec(spec)
     # printed only when false: the hashes (cache keys, bundle names) of every spec that does not say it stay as they were
     assert "deterministic" not in format_spec(load_spec("attention t { head_dim = 64 deterministic = true }"))
@@ -430,7 +431,7 @@ BIASES = {"key_bias": KEY_BIAS, "slope_bias": SLOPE_BIAS}
 
 
 def test_a_separable_bias_is_added_as_a_key_part():
-    """ALiBi (expr.separable_bias): the forward adds its key part's offsets in a tile by the tensor cores at head_dim
+    """ALiBi (lang.analysis.separable_bias): the forward adds its key part's offsets in a tile by the tensor cores at head_dim
     64 (a product of ones and a tile of the offsets, chained onto Q K^T; the tile's first key's value in each row's
     maximum), at 128 as the tile's first key's value plus a vector of offsets made once an item, and its row part
     to the lse; the backward adds the key part of its query tile's first row, the pre-pass takes the row part off
@@ -481,7 +482,7 @@ def test_a_separable_bias_compiles_for_sm90(name, deterministic, tmp_path):
     assert gp.persistent == (name == "slope_bias") and (gp.bwd_persistent_max_keys > 0) == deterministic
     path.write_text(build_source(gp)[1])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path), "bf16"], env=env,
+    run = subprocess.run([sys.executable, "-m", "attngen.aot.gluon_binaries", str(path), "bf16"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
@@ -522,7 +523,7 @@ def test_every_taken_spec_compiles_for_sm90(tmp_path):
         spec = _spec("dense", head_dim=64) if name == "dense64" else _spec(name, deterministic=det)
         gp = plan_gluon(plan(spec, "h100"))
         path.write_text(build_source(gp)[1])
-        run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path), "bf16", "fp16"], env=env,
+        run = subprocess.run([sys.executable, "-m", "attngen.aot.gluon_binaries", str(path), "bf16", "fp16"], env=env,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
         lines = [json.loads(line) for line in run.stdout.splitlines()]
@@ -562,7 +563,7 @@ def test_a_shards_kernels_compile_for_sm90(name, tmp_path):
     path = tmp_path / f"{name}_shard_gluon.py"
     path.write_text(build_source(plan_gluon(dataclasses.replace(plan(_spec(name), "h100"), global_positions=True)))[1])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "attngen.codegen.gluon.binaries", str(path), "bf16"], env=env,
+    run = subprocess.run([sys.executable, "-m", "attngen.aot.gluon_binaries", str(path), "bf16"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
     lines = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
@@ -802,7 +803,7 @@ def _same_arguments(got, expected, what):
 @pytest.mark.parametrize("name, d", [("causal", 128), ("sliding_window", 128), ("causal", 64)])
 def test_a_call_like_one_before_launches_what_the_host_code_would(name, d, monkeypatch):
     """attention_forward and attention_backward keep a recipe of their launches' arguments per call signature
-    (attngen.launch.Recipe), so a call like one made before skips the layout decisions that made them. On the CPU,
+    (attngen.runtime.launch.Recipe), so a call like one made before skips the layout decisions that made them. On the CPU,
     with the kernels swapped for recorders: such a call launches exactly the arguments, grid and flags that
     launch_args, grid, delta_launch_args and bwd_launch_args give for its own tensors and outputs, in each layout
     callers hand over, persistent or not (1024 and 4160 rows; the backward's persistent form at 1024);

@@ -1,8 +1,8 @@
-"""Hugging Face transformers on attngen kernels (issue 17): attngen.hf.register adds an attn_implementation that
+"""Hugging Face transformers on attngen kernels: attngen.hf.register adds an attn_implementation that
 tiny random Llama and Gemma-2 models run through (causal, GQA, padding, packed sequences, Gemma-2's softcap,
 scaling and sliding window, cached generation, dropout in training).
 
-The rule is the project's (attngen/verify.py): the truth is the same model in float64 with transformers' eager
+The rule is the project's (attngen/tools/verify.py): the truth is the same model in float64 with transformers' eager
 attention and masks, its softmax in float64 too (`float64_eager`: transformers' eager attention upcasts only to
 float32); attngen's logits must be within 2x, and its gradients within 3x, the error of the float32 eager model,
 plus a floor of a few float32 ulps at the result's magnitude. Any NaN fails."""
@@ -17,7 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import attngen
 import attngen.hf as hf
-from attngen import verify
+from attngen.tools import verify
 
 NAME = "attngen_test"
 FLOAT64 = "attngen_test_float64_eager"
@@ -167,7 +167,7 @@ def test_dropout_applies_in_training_only(attention, device):
     torch.manual_seed(5)
     out, weights = attention(module, q, k, v, None, scaling=0.3, dropout=0.25)
     torch.manual_seed(5)
-    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device))  # the kernel's default seed (Kernel._dropout_args)
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device))  # the kernel's default seed (runtime.checks.dropout_args)
     keep = attngen.dropout_mask(seed, 0.25, 1, 4, 9, 9, device=device)
     assert weights is None and out.shape == (1, 9, 4, 16)
     assert torch.allclose(out.double(), _naive(q, k, v, 0.3, keep / (1 - attngen.dropout_probability(0.25))), atol=1e-5)

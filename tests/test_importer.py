@@ -1,4 +1,4 @@
-"""Import-time kernels (issue 17): with attngen.install_import_hook(), `import pkg.attention.causal` compiles
+"""Import-time kernels: with attngen.install_import_hook(), `import pkg.attention.causal` compiles
 pkg/attention/causal.attn into a module whose `attention` is the autograd-wrapped kernel. The kernels are checked
 by attngen.verify (O, lse, dQ, dK, dV against the float64 reference of a spec parsed from the same text, NaN
 failing), so a module that compiled the wrong file, or kept a stale kernel on reload, fails."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import attngen
-from attngen import verify
-from attngen.check import load_spec
+from attngen.tools import verify
+from attngen.lang.check import load_spec
 from attngen.errors import AttngenError, PlanError, SpecError, SpecSyntaxError
 from attngen.importer import AttnFinder
 

@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import bool_exprs, int_exprs
 
-from attngen import expr as ex
-from attngen.check import load_spec
-from attngen.intervals import Interval, TileClass, Truth, classify_tiles, evaluate, tile_counts, tile_env, tile_map, truth
-from attngen.naive import evaluate as evaluate_torch
-from attngen.spec import Binary, Const, Type
+from attngen.lang import expr as ex
+from attngen.lang.check import load_spec
+from attngen.lang.intervals import Interval, TileClass, Truth, classify_tiles, evaluate, tile_counts, tile_env, tile_map, truth
+from attngen.tools.reference import evaluate as evaluate_torch
+from attngen.lang.spec import Binary, Const, Type
 
 SCOPE = ex.Scope("mask", ex.MASK_VARS, {})
 
@@ -150,7 +150,7 @@ def _expected_ranges(classes, length, block):
 
 def _with_probe(tmp_path, name: str, source: str):
     """The generated module `source` plus a probe kernel that calls its own _tile_range, imported."""
-    from attngen.loader import _import
+    from attngen.runtime.loader import _import
 
     path = tmp_path / f"{name}.py"
     path.write_text(source)
@@ -214,7 +214,7 @@ def test_summaries_are_read_in_the_inputs_width(dtype, width):
     """A read bounded by the pre-pass's summaries is compared in int32 for inputs of at most 32 bits (an int32
     vector of tiles takes half the registers of int64), its unknown interval that type's whole range; int64 inputs
     stay int64."""
-    from attngen.intervals import lower_tile_class
+    from attngen.codegen.tiles import lower_tile_class
 
     spec = load_spec(f"attention t {{ head_dim = 16 dtype = fp32 input x: {dtype}[B, N] mask = x[b, q_idx] == x[b, kv_idx] }}")
     code = "\n".join(lower_tile_class(spec.mask, ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name)).stmts)
@@ -331,7 +331,7 @@ def test_kernel_tile_ranges_with_inputs_are_sound(name, tmp_path):
 ])
 def test_nan_guards_only_where_a_row_may_keep_no_key(mask, keeps):
     import attngen
-    from attngen.intervals import keeps_first_key
+    from attngen.lang.intervals import keeps_first_key
 
     decls = "input prefix: int32[B] input doc: int32[B, N]"
     kern = attngen.compile(f"attention t {{ head_dim = 16 {decls} mask = {mask} }}", "h100")

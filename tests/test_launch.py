@@ -10,10 +10,10 @@ import pytest
 import torch
 import triton
 
-import attngen.launch as launch
+import attngen.runtime.launch as launch
 from attngen.codegen import triton as triton_generator
 from attngen.codegen.gluon import plan_gluon, render
-from attngen.plan import plan
+from attngen.plan.planner import plan
 from tests.test_gluon import _spec
 
 # Runs in a process of its own without TRITON_INTERPRET: the interpreter has no binder. argv: the Gluon module,
@@ -21,8 +21,8 @@ from tests.test_gluon import _spec
 _KEY_CHECK = r'''
 import importlib.util, itertools, sys
 import torch
-from attngen.codegen.gluon.binaries import specialize
-from attngen.launch import _specializations
+from attngen.aot.gluon_binaries import specialize
+from attngen.runtime.launch import _specializations
 
 
 def load(path, name):

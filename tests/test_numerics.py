@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import attngen
-from attngen import verify
-from attngen.check import load_spec
-from attngen.spec import DType, LoopOrder
+from attngen.tools import verify
+from attngen.lang.check import load_spec
+from attngen.lang.spec import DType, LoopOrder
 
 SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
 
@@ -144,8 +144,8 @@ def test_tensor_descriptor_loads(name, device, target):
     `attngen check`, and with inputs it cannot read in place: a view starting 4 bytes into its storage and a dO
     with a stride along head_dim (the launchers copy those)."""
     from attngen import runtime
-    from attngen.loader import load_module
-    from attngen.plan import plan as make_plan
+    from attngen.runtime.loader import load_module
+    from attngen.plan.planner import plan as make_plan
     from attngen.codegen.triton import build_source
 
     spec = dataclasses.replace(load_spec(TMA_SPECS[name]), dtype=DType.FP32)
@@ -205,7 +205,7 @@ def test_backward_waits_for_its_dq_stream(device, target):
 def test_fully_masked_rows_are_zero_with_minus_inf_lse(device, target):
     """A row that keeps no key: O = 0, lse = -inf, zero gradients, no NaN; and no RuntimeWarning from the
     interpreter's numpy (log2(0) = -inf is intended there; `attngen check` used to print it, and kv_outer's
-    padding lanes computed 0/0: issue 15, item 8)."""
+    padding lanes once computed 0/0)."""
     spec = load_spec((Path(__file__).parent.parent / "specs" / "key_padding.attn").read_text())
     for loop_order in LoopOrder:
         kern = _compile(dataclasses.replace(spec, loop_order=loop_order), "fp32", target)
@@ -476,7 +476,7 @@ def test_bf16_specs_are_exact_on_every_device(name, device, target):
     _check(kern, device, shapes=((1, 2, 2, 17, 17), (1, 4, 2, 65, 63)))
 
 
-# ---- edges of the expression language, through whole kernels (issue 15): each result is the language's defined
+# ---- edges of the expression language, through whole kernels: each result is the language's defined
 # value (README, "Semantics"), the same in the kernel and the float64 reference, never a silent wrap-around.
 def _edge_case(text, device, target, inputs, B=2, H=2, N=40, D=32):
     kern = attngen.compile(load_spec(text), target)

@@ -6,9 +6,9 @@ import types
 import pytest
 import torch
 
-from attngen.check import load_spec
+from attngen.lang.check import load_spec
 from attngen.errors import PlanError
-from attngen.plan import MAX_TILE, MIN_TILE, plan
+from attngen.plan.planner import MAX_TILE, MIN_TILE, plan
 from attngen.targets import TARGETS, detect, get_target
 
 
@@ -125,7 +125,7 @@ def test_unknown_target():
 def test_static_sparsity_joins_the_mask():
     spec = _spec("mask = q_idx >= kv_idx sparsity = abs(q_blk - kv_blk) <= 1 sparse_block = 64")
     p = plan(spec, "h100")
-    from attngen.expr import format_expr
+    from attngen.lang.expr import format_expr
 
     assert format_expr(p.mask) == "q_idx >= kv_idx and abs(q_idx // 64 - kv_idx // 64) <= 1"
 

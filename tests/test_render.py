@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from attngen.check import load_spec
-from attngen.plan import plan
+from attngen.lang.check import load_spec
+from attngen.plan.planner import plan
 from attngen.codegen import templates_root, versions
 from attngen.codegen.triton import render
 

@@ -6,6 +6,7 @@ import torch
 
 import attngen
 from attngen.errors import AttngenError, InputError, SpecError
+from attngen.runtime.checks import check_call
 
 ROOT = Path(__file__).parent.parent
 
@@ -62,17 +63,17 @@ def test_compile_errors():
         (lambda q, k, v, i: (q, k, v, {"lens": [3, 4]}), "input 'lens' must be a torch.Tensor"),
         (lambda q, k, v, i: (q[:, :0], k[:, :0], v[:, :0], i), "q has 0 heads and k, v have 0: each needs at least one head"),
         (lambda q, k, v, i: (q, k[:, :0], v[:, :0], i), "q has 4 heads and k, v have 0"),
-        # the integer analysis of expressions (attngen/ranges.py) holds for lengths below 2**30 (a view, no memory)
+        # the integer analysis of expressions (attngen/lang/ranges.py) holds for lengths below 2**30 (a view, no memory)
         (lambda q, k, v, i: (q, k[:, :, :1].expand(-1, -1, 2**30, -1), v[:, :, :1].expand(-1, -1, 2**30, -1), i),
          r"the key length is 1073741824; attngen supports at most 1073741823 \(2\*\*30 - 1\)"),
     ],
 )
 def test_bad_calls_say_what_was_expected(padded, mutate, message):
     """Also after a good call of the same sizes: what passed the checks is remembered by each tensor's shape,
-    element type and device (Kernel._check), which must never let another call skip them."""
+    element type and device (checks.check_call), which must never let another call skip them."""
     q, k, v = _qkv()
     good = {"lens": torch.tensor([3, 11], dtype=torch.int32, device=q.device)}
-    assert padded._check(q, k, v, good)[0].q_len == 9 and padded._passed
+    assert check_call(padded, q, k, v, good)[0].q_len == 9 and padded._passed
     q, k, v, inputs = mutate(q, k, v, good)
     with pytest.raises(InputError, match=message):
         padded(q, k, v, **inputs)
@@ -87,16 +88,16 @@ def test_direct_index_out_of_range_is_refused(target):
 
 def test_lengths_past_the_float_positions_take_the_triton_backward(target):
     """The Gluon backward converts a sum of positions in a float context per score (a square of distances here) to
-    float32 leaf by leaf (expr.FLOAT_POSITIONS), exact for lengths up to 2**23: a longer call (or context-parallel
+    float32 leaf by leaf (codegen.expr.FLOAT_POSITIONS), exact for lengths up to 2**23: a longer call (or context-parallel
     sequence) takes the Triton backward, which converts per score. A separable bias (ALiBi) is added by its key
     part, converted per key, on one GPU (a context-parallel shard lowers it per score: leaf by leaf again). Masks
     of integer positions (causal, windows) and integer sums read as input indices (relative_bias) convert nothing,
     whatever their length."""
     import dataclasses
 
-    from attngen.check import load_spec
+    from attngen.lang.check import load_spec
     from attngen.codegen.lowering import converts_positions
-    from attngen.expr import FLOAT_POSITIONS
+    from attngen.codegen.expr import FLOAT_POSITIONS
 
     square = load_spec("attention sq {\n head_dim = 128\n mask = q_idx >= kv_idx\n score = score - 0.001 * (q_idx - kv_idx) * (q_idx - kv_idx)\n}")
     sq = attngen.compile(square, target, backend="gluon")
@@ -181,7 +182,7 @@ def test_interpreter_set_after_triton_was_imported_is_explained(tmp_path, device
 def test_auto_target_without_a_gpu_plans_for_the_default(monkeypatch, device):
     """The README's first example names no target: on a machine without a GPU it plans for h100 (the interpreter
     runs any plan) and says so once, with a TargetWarning."""
-    from attngen import plan as plan_module
+    from attngen.plan import planner as plan_module
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: auto resolves to it")
@@ -250,3 +251,4 @@ def test_helpers_check_their_arguments():
         attngen.dropout_mask(torch.tensor([1, 2]), 0.1, 1, 1, 4, 4)
     with pytest.raises(InputError, match="sparse_block must be a positive integer"):
         attngen.block_mask_from_dense(torch.ones(4, 4, dtype=torch.bool), 0)
+

@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 
 from attngen.errors import SpecSyntaxError
-from attngen.spec import Binary, Call, Const, Index, Type, Unary, Var
-from attngen.check import load_spec
-from attngen.syntax import parse
+from attngen.lang.spec import Binary, Call, Const, Index, Type, Unary, Var
+from attngen.lang.check import load_spec
+from attngen.lang.syntax import parse
 
 SPECS = sorted((Path(__file__).parent.parent / "specs").glob("*.attn"))
 
@@ -115,7 +115,7 @@ def test_an_expression_nested_too_deep_is_a_syntax_error_not_a_recursion_error()
     """500 `or` clauses (a parse tree 500 levels deep) used to end in RecursionError while checking or planning;
     the parser now refuses more than MAX_NESTING levels with the file and position, and 95 clauses (just under
     it) still parse."""
-    from attngen.syntax import MAX_NESTING
+    from attngen.lang.syntax import MAX_NESTING
 
     def spec(n):
         return "attention deep {\n head_dim = 16\n dtype = fp32\n mask = " + " or ".join(f"(q_idx == {i} and kv_idx == {i})" for i in range(n)) + "\n}"

@@ -1,4 +1,4 @@
-"""`auto` launch configurations (attngen/tune.py): the search, the spec keys, the disk cache, and tuned kernels
+"""`auto` launch configurations (attngen/plan/tune.py): the search, the spec keys, the disk cache, and tuned kernels
 checked against the float64 reference. On the CPU the interpreter's times mean nothing, so the tests give the
 tuner a timer that prefers chosen configurations (still running each one); with --device cuda the real timer runs."""
 import json
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import attngen
-from attngen import verify
-from attngen.canonical import format_spec
-from attngen.check import load_spec
+from attngen.tools import verify
+from attngen.lang.canonical import format_spec
+from attngen.lang.check import load_spec
 from attngen.errors import SpecError
-from attngen.plan import plan
-from attngen.tune import PASSES, TuneWarning, neighbours, search
+from attngen.plan.planner import plan
+from attngen.plan.tune import PASSES, TuneWarning, neighbours, search
 
 AUTO = "block_m = auto block_n = auto num_warps = auto num_stages = auto"
 START = {"fwd": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import attngen
-from attngen import verify
-from attngen.dtypes import TORCH_DTYPES
+from attngen.tools import verify
+from attngen.runtime.dtypes import TORCH_DTYPES
 from attngen.errors import InputError
-from attngen.verify import _bound
+from attngen.tools.verify import _bound
 
 ROOT = Path(__file__).parent.parent
 HQ, HKV = 4, 2

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jinja2
 
-from .. import __version__
+from ..version import __version__
 from ..errors import AttngenError
 
 

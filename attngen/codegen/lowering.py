@@ -1,12 +1,14 @@
-"""The spec's expressions lowered for one kernel of any generator: the same code fragments (attngen/expr.py)
+"""The spec's expressions lowered for one kernel of any generator: the same code fragments (attngen/codegen/expr.py)
 for the Triton templates and, translated name by name, for the Gluon ones."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import expr as ex
-from ..plan import KernelPlan
-from ..spec import Binary, DType, Type, Var
+from ..lang import expr as ex
+from ..lang.analysis import affine_in, separable_bias
+from .expr import Lowerer
+from ..plan.planner import KernelPlan
+from ..lang.spec import Binary, DType, Type, Var
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ def lower_for_kernel(plan: KernelPlan, inner_vars: frozenset[str], want_dscore: 
     names = {v: v for v in ex.SCORE_VARS}
     if global_positions:
         names |= {"q_len": "seq_q_len", "kv_len": "seq_kv_len"}
-    lowerer = ex.Lowerer(scope, names, inner_vars, positions_leafwise=positions_leafwise)
+    lowerer = Lowerer(scope, names, inner_vars, positions_leafwise=positions_leafwise)
     grads = list(plan.read_grads) if want_read_grads else []
     scored = plan.score is not None and want_score
     exprs = [e for e in (plan.mask, plan.score if scored else None, plan.dscore if want_dscore and scored else None) if e is not None]
@@ -66,7 +68,7 @@ def converts_positions(plan: KernelPlan) -> bool:
     by leaf, exact for lengths of at most expr.FLOAT_POSITIONS only: longer calls take the Triton backward then.
     (A separable bias is lowered by lower_bias, without: only the mask counts then.)"""
     scope = ex.Scope("score", ex.SCORE_VARS, plan.spec.inputs_by_name)
-    lowerer = ex.Lowerer(scope, {v: v for v in ex.SCORE_VARS}, frozenset(), positions_leafwise=True)
+    lowerer = Lowerer(scope, {v: v for v in ex.SCORE_VARS}, frozenset(), positions_leafwise=True)
     scored = bias_of(plan) is None
     lowerer.lower_all([e for e in (plan.mask, plan.score if scored else None, plan.dscore if scored else None) if e is not None])
     return lowerer.positions_in_float
@@ -79,7 +81,7 @@ def bias_of(plan: KernelPlan) -> ex.Expr | None:
     spec = plan.spec
     if plan.score is None or spec.dtype is DType.FP8 or plan.global_positions:
         return None
-    return ex.separable_bias(plan.score, ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name))
+    return separable_bias(plan.score, ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name))
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def key_part_affine(plan: KernelPlan) -> bool:
     its first key's value plus a vector of the offsets in a tile, the same for every tile (lower_bias's parts
     "tile" and "step")."""
     bias = bias_of(plan)
-    return bias is not None and ex.affine_in(bias, "kv_idx")
+    return bias is not None and affine_in(bias, "kv_idx")
 
 
 def bias_part(bias: ex.Expr, part: str) -> tuple[ex.Expr, dict[str, str]]:
@@ -130,7 +132,7 @@ def lower_bias(plan: KernelPlan, part: str, rows: str, ref: str, inner_vars: fro
     scope = ex.Scope("score", ex.SCORE_VARS, plan.spec.inputs_by_name)
     expr, roles = bias_part(bias, part)
     names = {v: v for v in ex.SCORE_VARS} | {v: {"ref": ref, "rows": rows}[role] for v, role in roles.items()}
-    lowerer = ex.Lowerer(scope, names, inner_vars, prefix=prefix)
+    lowerer = Lowerer(scope, names, inner_vars, prefix=prefix)
     lowered = lowerer.lower_all([expr])
     helpers |= lowerer.helpers
     code = lowered.exprs[0]

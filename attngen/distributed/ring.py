@@ -5,7 +5,7 @@ Every rank holds its shard of q, k and v (attngen/distributed/layout.py says whi
 travel around the ring, rank r sending to r + 1 and receiving from r - 1 (torch.distributed's batch_isend_irecv:
 NCCL on GPUs, gloo on CPUs), the transfer of the next shard overlapping the work on the current one. At step s rank
 r holds the keys of rank r - s; for every pair of its query chunks and those key chunks that the mask does not
-provably drop whole (attngen/intervals.py, at the chunks' positions), the shard kernels (Kernel._shard_forward)
+provably drop whole (attngen/lang/intervals.py, at the chunks' positions), the shard kernels (attngen/runtime/shard.py)
 give a partial O and log-sum-exp (O float32 from the Triton generator, the inputs' type from the Gluon one), merged
 into float32 in step order (so reruns are bit-identical). The backward sends the keys around again, with the
 float32 sums of dK and dV for them: each rank adds its part, in ring order, and a last step hands each shard's
@@ -17,9 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..intervals import Truth, tile_env, truth
-from ..runtime import LN2, Kernel, _Dims
-from ..spec import DType, KVLayout
+from ..lang.intervals import Truth, tile_env, truth
+from ..runtime import Kernel
+from ..runtime.checks import Dims, check_call, check_direct_indices, dropout_args
+from ..runtime.kernel import LN2
+from ..runtime.shard import shard_backward, shard_forward
+from ..lang.spec import DType, KVLayout
 from .layout import Chunk, _group_shape, check_layout, chunks
 
 
@@ -98,15 +101,15 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if spec.dtype is DType.FP8:
         raise InputError(f"context_parallel does not take FP8 specs yet (their descale factors are not split); {spec.name!r} has dtype = fp8")
     ring = _Ring(group)
-    dims, tensors = kern._check(q, k, v, inputs)
+    dims, tensors = check_call(kern, q, k, v, inputs)
     if q.shape[2] != k.shape[2]:
         raise InputError(f"context_parallel: q and k must be shards of one sequence (self-attention), the same number of tokens; "
                          f"q has {q.shape[2]}, k has {k.shape[2]}")
     n = q.shape[2]
     mine = chunks(layout, ring.rank, ring.world, n)
     seq_len = n * ring.world
-    kern._check_direct_indices(_Dims(dims.batch, dims.heads, dims.kv_heads, seq_len, seq_len), {d.name: t for d, t in zip(spec.inputs, tensors)})
-    p, seed_t = kern._dropout_args(dropout_p, 0 if seed is None else seed, q.device)  # the probability and the seed, checked as for a call
+    check_direct_indices(kern._direct_indices, Dims(dims.batch, dims.heads, dims.kv_heads, seq_len, seq_len), {d.name: t for d, t in zip(spec.inputs, tensors)})
+    p, seed_t = dropout_args(spec, dropout_p, 0 if seed is None else seed, q.device)  # the probability and the seed, checked as for a call
     if p:
         if seed is None:  # a call draws one from torch's generator, which the ranks need not share
             raise InputError("context_parallel with dropout needs seed= (a non-negative int below 2**63, the same on every rank), got None")
@@ -163,7 +166,7 @@ class _Run:
         for step, pairs in enumerate(self.steps):
             transfer = self.ring.send_recv(kv) if step < self.ring.world - 1 else None
             for i, j, positions in pairs:
-                o, lse = self.kern._shard_forward(qs[i], kv[j], kv[count + j], self.inputs, self.dropout_p, self.seed, positions)
+                o, lse = shard_forward(self.kern, qs[i], kv[j], kv[count + j], self.inputs, self.dropout_p, self.seed, positions)
                 if o_acc[i] is None:  # the first part of these rows: taken as it is
                     o_acc[i], lse_acc[i] = o.float(), lse
                 else:
@@ -188,7 +191,7 @@ class _Run:
             transfer = None if last else self.ring.send_recv(kv)
             parts = [None] * (2 * count)  # this rank's part of dK (key chunks), then of dV
             for i, j, positions in pairs:
-                dq_p, dk_p, dv_p = self.kern._shard_backward(qs[i], kv[j], kv[count + j], os[i], lses[i], dos[i], dlses[i],
+                dq_p, dk_p, dv_p = shard_backward(self.kern, qs[i], kv[j], kv[count + j], os[i], lses[i], dos[i], dlses[i],
                                                              self.inputs, self.dropout_p, self.seed, positions)
                 dq[i] = dq_p.float() if dq[i] is None else dq[i].add_(dq_p)
                 for at, part in ((j, dk_p), (count + j, dv_p)):

@@ -7,35 +7,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import PlanError
-from ...expr import FLOAT_FUNCTIONS, children, input_reads, variables
-from ...plan import KernelPlan
-from ...spec import Backend, Binary, Call, DType, Expr, Spec, Var
+from ...lang.expr import FLOAT_FUNCTIONS, children, input_reads, variables
+from ...plan.planner import KernelPlan
+from ...lang.spec import Backend, Binary, Call, DType, Expr, Spec, Var
 from .lower import Untranslatable
 from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
 from .render import context
 from ..lowering import bias_of
 
-# What `auto` takes: on the H100 (BENCHMARKS.md, 2026-11-24) the Gluon forward was 1.25-1.46x the Triton generator's
-# at d=128 (dense, causal; sliding window 1.17-1.24x with the version before), but 0.87-1.06x with softcap's score
-# modification (its tanh is the bottleneck): such specs stay with Triton unless backend = gluon.
-# At head_dim 256 (the forward alone: 64-key tiles, two ring stages; BENCHMARKS.md, 2026-11-26 session 10) the Gluon
-# forward was 2.15-2.42x the Triton generator's (641-655 against 255-285 TFLOP/s, dense and causal, N = 4096 and 16384).
-# At head_dim 64 the Gluon kernels against the Triton generator's (benchmarks/head_dims.py --dims 64, both passes,
-# dQ in a fixed order, bf16, B*N = 16384; BENCHMARKS.md, 2026-11-26 session 12), forward / backward: 0.96 / 0.97x
-# (dense) and 0.90 / 0.94x (causal) at 1024 keys, 1.04 / 1.07x and 0.99 / 1.14x at 2048, 1.10-1.12 / 1.12-1.23x at
-# 4096, 1.16-1.18 / 1.19-1.24x at 16384. Since session 13's persistent forward for short calls and its backward's dQ
-# no longer zeroed first (BENCHMARKS.md, 2026-11-26 session 14, the same command): 1.08 / 1.02x (dense) and 1.02 / 1.01x
-# (causal) at 1024 keys, 1.16 / 1.07x and 1.13 / 1.21x at 2048; at 512 keys 1.05 / 0.96x and 0.86 / 0.89x, at 256
-# 1.04 / 0.89x and 0.80 / 0.87x. So under auto a call of such a spec with fewer keys than this takes the Triton
-# generator for both passes, and the Gluon generator's from there on.
-# The suite of session 23 (`attngen bench` of every variant at head_dim 128 and 64, N = 1024, 2048, 4096, 16384, both
-# generators in one process; BENCHMARKS.md, 2026-11-27 session 23) kept that for no mask and the causal mask (1.01-1.13x
-# forward, 1.04-1.09x backward at 1024 keys; ALiBi, causal with a bias, 1.04 / 1.26x) but found other masks at head_dim
-# 64 behind at 1024 keys (sliding window 0.91 / 0.99x, prefix-LM 0.91 / 0.94x, a block pattern 1.04 / 0.97x) and even
-# or ahead from 2048 (0.97 / 1.06x, 1.01 / 0.98x, 1.58 / 1.17x; block patterns now take the Triton generator at
-# head_dim 64 at every length, see BLOCK_PATTERN_MEASURED); and documents at head_dim 128 behind at 1024 keys
-# (forward 1.15x, the ordered backward 0.85x: 0.90x the time of both; the unordered backward 1.03x) and ahead from 2048
-# (1.18 / 1.05x).
+# What `auto` takes, from measurements on the H100 (bf16, B*N = 16384; each figure the Gluon kernels' speed over the
+# Triton generator's, both in one process):
+# - head_dim 128 (2026-11-24): the Gluon forward 1.25-1.46x (dense, causal; sliding window 1.17-1.24x), but
+#   0.87-1.06x with softcap's score modification (its tanh is the bottleneck): such specs stay with Triton unless
+#   backend = gluon.
+# - head_dim 256 (the forward alone: 64-key tiles, two ring stages; 2026-11-26): 2.15-2.42x (641-655 against 255-285
+#   TFLOP/s, dense and causal, N = 4096 and 16384).
+# - head_dim 64 (benchmarks/head_dims.py --dims 64, both passes, dQ in a fixed order; 2026-11-26), forward / backward:
+#   1.08 / 1.02x (dense) and 1.02 / 1.01x (causal) at 1024 keys, 1.16 / 1.07x and 1.13 / 1.21x at 2048, 1.10-1.12 /
+#   1.12-1.23x at 4096, 1.16-1.18 / 1.19-1.24x at 16384; but at 512 keys 1.05 / 0.96x and 0.86 / 0.89x, at 256 1.04 /
+#   0.89x and 0.80 / 0.87x. So under auto a call of such a spec with fewer keys than GLUON_MIN_KEYS takes the Triton
+#   generator for both passes, and the Gluon generator's from there on.
+# - every variant at head_dim 128 and 64 (`attngen bench`, N = 1024, 2048, 4096, 16384; 2026-11-27): no mask and the
+#   causal mask keep that rule (1.01-1.13x forward, 1.04-1.09x backward at 1024 keys; ALiBi, causal with a bias,
+#   1.04 / 1.26x); other masks at head_dim 64 are behind at 1024 keys (sliding window 0.91 / 0.99x, prefix-LM 0.91 /
+#   0.94x) and even or ahead from 2048 (0.97 / 1.06x, 1.01 / 0.98x): MASKED_MIN_KEYS; documents at head_dim 128 are
+#   behind at 1024 keys (forward 1.15x, the ordered backward 0.85x: 0.90x the time of both; the unordered backward
+#   1.03x) and ahead from 2048 (1.18 / 1.05x). Block patterns: BLOCK_PATTERN_MEASURED.
 GLUON_MIN_KEYS = {64: 1024}
 MASKED_MIN_KEYS = 2048  # head_dim 64 with a mask other than causal's; documents (tile classes from the inputs) at 128
 MIN_KEYS_MEASURED = ("the Gluon kernels measured 0.80-1.05x the Triton generator's at 256 and 512 keys and 1.01-1.21x from 1024 "
@@ -44,11 +41,11 @@ MASKED_MIN_KEYS_MEASURED = {64: "with a mask other than causal's at head_dim 64 
                                 "the Triton generator's forward and 0.94-0.99x its backward at 1024 keys, 0.97-1.01x and 0.98-1.06x at 2048 (H100)",
                             128: "with a document mask at head_dim 128 the ordered Gluon backward measured 0.85x the Triton one at 1024 "
                                  "keys (0.90x the time of both passes), 1.05x at 2048 (H100)"}
-# FP8 at d=128 on the H100 (BENCHMARKS.md, 2026-11-26 session 9): the Gluon forward 1.13-1.20x the Triton generator's
+# FP8 at d=128 on the H100 (2026-11-26): the Gluon forward 1.13-1.20x the Triton generator's
 FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
-# Block patterns (sparsity = an expression of q_blk, kv_blk). Once the Triton generator's loops skipped the holes
-# between kept tiles (session 23: 1.6-10x faster), `attngen bench` of the three shipped patterns at N = 1024, 4096,
-# 16384 (BENCHMARKS.md, 2026-11-27 session 23) put the Gluon kernels at 0.19-0.75x the Triton forward and 0.36-0.94x
+# Block patterns (sparsity = an expression of q_blk, kv_blk), with the Triton generator's loops skipping the holes
+# between kept tiles: `attngen bench` of the three shipped patterns at N = 1024, 4096, 16384 (2026-11-27) puts the
+# Gluon kernels at 0.19-0.75x the Triton forward and 0.36-0.94x
 # its backward at head_dim 64 from 4096 keys; at 128 Gluon stays ahead on local_global and strided (1.52-2.12x /
 # 0.90-1.75x) but not on butterfly, whose tiles are classified by pieces (0.96 / 1.12x at 4096, 0.59 / 0.73x at
 # 16384; 1.33 / 1.37x at 1024). So under auto block patterns take the Triton generator at head_dim 64, and at 128
@@ -141,11 +138,11 @@ def _min_keys(spec: Spec, gp: GluonPlan) -> tuple[int, str]:
 
 
 # The Gluon backward against the Triton generator's on the H100 (benchmarks/backward_choice.py: through autograd, the
-# same inputs, bf16, B*N = 16384, H*d = 2048; BENCHMARKS.md, 2026-11-26 session 12), d = 128, dense and causal,
-# 1024-4096 keys: with dQ added in a fixed order (a dQ warp per consumer warpgroup adds its parts, each in its turn)
-# 1.00-1.19x (1.00x: causal at 1024 keys), in no fixed order 1.05-1.27x. (Before session 12 one dQ warp added both
-# warpgroups' parts, and its turns and additions, each a round trip to L2, made it the backward's bottleneck: the
-# ordered backward was 0.91-0.94x the Triton one at 1024 keys, so shorter calls took the Triton backward then.)
+# same inputs, bf16, B*N = 16384, H*d = 2048; 2026-11-26), d = 128, dense and causal, 1024-4096 keys: with dQ added in
+# a fixed order (a dQ warp per consumer warpgroup adds its parts, each in its turn) 1.00-1.19x (1.00x: causal at 1024
+# keys), in no fixed order 1.05-1.27x. (With one dQ warp for both warpgroups' parts, its turns and additions, each a
+# round trip to L2, made it the backward's bottleneck: the ordered backward measured 0.91-0.94x the Triton one at 1024
+# keys.)
 BACKWARD_MEASURED = {True: "1.00-1.19x the Triton backward on the H100", False: "1.05-1.27x the Triton backward on the H100"}
 # Runtime block sparsity (random 128 x 128 blocks, B=2 H=16 N=8192 d=128, the same run): the ordered Gluon backward
 # 1.08x the Triton generator's with half of the blocks kept but 0.92x with a quarter: a key tile's program waits at
@@ -154,17 +151,14 @@ BACKWARD_MEASURED = {True: "1.00-1.19x the Triton backward on the H100", False: 
 # false) measured 1.18-1.27x the Triton one, so it is taken then.
 SPARSE_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.92-1.08x of it at 1/4-1/2 of the blocks kept on the H100"
 # Tile classes that read the input pre-pass (documents: doc[b, q_idx] == doc[b, kv_idx], causal inside; random
-# documents of 256-2048 tokens, N = 4096 and 16384, d = 128; the same run): the Gluon forward 1.04-1.07x the Triton
-# generator's (session 10), the ordered Gluon backward 0.77-0.87x of it, the unordered one 0.98-1.04x (session 12).
-# Session 15 found most of the ordered one's deficit in its pre-pass, which ranked each query tile's key tiles one
-# at a time, a summary load each; ranked by a vector scan it ran 1.05-1.26x faster, 0.95-0.99x the Triton backward at
-# d = 128 (session 16), 0.85x at d = 64. Session 17 found the rest in the per-tile classes: every partition read
-# each visited tile's class from the summaries again (a wait for memory per tile); kept as bits from the range's
-# scan, the Gluon backward ran 1.09-1.11x faster at d = 128 (1.00-1.01x at d = 64), 1.05-1.08x the Triton backward in
-# order and 1.09-1.11x in no order (BENCHMARKS.md, 2026-11-26 session 17): so documents take the Gluon backward at
-# head_dim 128 in both settings, the Triton one below. Session 23's suite (see GLUON_MIN_KEYS) found the Gluon forward
-# 0.87-0.92x the Triton one with documents at head_dim 64 (1024-16384 keys): there auto takes the Triton generator for
-# both passes.
+# documents of 256-2048 tokens, N = 4096 and 16384; the same run). The Gluon backward's pre-pass ranks each query
+# tile's key tiles by a vector scan (one at a time, a summary load each, it ran 0.79-0.95x as fast), and keeps the
+# classes of the tiles it visits as bits from that scan (read again from the summaries, a wait for memory per tile,
+# it ran 0.90-0.92x as fast at d = 128). So, on the H100 (2026-11-26): at d = 128 the Gluon forward 1.04-1.07x the
+# Triton generator's, its backward 1.05-1.08x in order and 1.09-1.11x in no order: documents take the Gluon backward
+# at head_dim 128 in both settings, the Triton one below (0.85x at d = 64). The suite of every variant (2026-11-27,
+# see GLUON_MIN_KEYS) found the Gluon forward 0.87-0.92x the Triton one with documents at head_dim 64 (1024-16384
+# keys): there auto takes the Triton generator for both passes.
 BOUNDED_GLUON_HEAD_DIMS = (128,)
 BOUNDED_MEASURED_BELOW = ("with a document mask at head_dim 64 the Gluon forward measured 0.87-0.92x the Triton one and the ordered "
                           "Gluon backward 0.85x on the H100")
@@ -191,16 +185,14 @@ def _choose_backward(spec: Spec, backend: Backend, bounded: bool = False) -> tup
     return "gluon", f"deterministic = false: dQ added in no fixed order, its last bits may vary between runs ({BACKWARD_MEASURED[False]})"
 
 
-# Score modifications. Softcap's tanh (a function call, evaluated per score) made the Gluon forward 0.87-1.06x the
-# Triton generator's at d=128 (session 6; 0.89x at 4096 keys and 1.13x at 16384 in session 17). A bias of positions
-# and per-program values lowered per score (ALiBi's slopes[h] * (q_idx - kv_idx) before session 20), measured on the
-# H100 (BENCHMARKS.md, 2026-11-27 session 18, bf16, B*N = 16384, N = 4096 and 16384): at head_dim 128 the Gluon
-# kernels 1.20-1.24x the Triton generator's forward and 1.26-1.38x its backward (dQ in a fixed order); at 64,
-# 0.86-0.95x forward and 0.98-1.08x backward. A separable bias (expr.separable_bias: ALiBi), which the Gluon kernels
-# add as a key part since session 20: 1.44-1.45x forward and 1.33-1.39x backward at head_dim 128, 1.04-1.24x and
-# 1.34-1.41x at 64 (BENCHMARKS.md, 2026-11-27 session 20). So separable biases take the Gluon generator at every head
-# dim, other biases of positions and per-program values at head_dim 128, every other score modification the Triton
-# one.
+# Score modifications, on the H100 (bf16, B*N = 16384). Softcap's tanh (a function call, evaluated per score) makes
+# the Gluon forward 0.87-1.06x the Triton generator's at d=128 (2026-11-24; 0.89x at 4096 keys and 1.13x at 16384 on
+# 2026-11-26). A bias of positions and per-program values lowered per score (N = 4096 and 16384; 2026-11-27): at
+# head_dim 128 the Gluon kernels 1.20-1.24x the Triton generator's forward and 1.26-1.38x its backward (dQ in a fixed
+# order); at 64, 0.86-0.95x forward and 0.98-1.08x backward. A separable bias (lang.analysis.separable_bias: ALiBi),
+# which the Gluon kernels add as a key part: 1.44-1.45x forward and 1.33-1.39x backward at head_dim 128, 1.04-1.24x
+# and 1.34-1.41x at 64 (2026-11-27). So separable biases take the Gluon generator at every head dim, other biases of
+# positions and per-program values at head_dim 128, every other score modification the Triton one.
 SCORE_GLUON_HEAD_DIMS = (128,)
 
 

@@ -1,4 +1,4 @@
-"""Expression code for Gluon kernels. attngen/expr.py lowers the spec's expressions to Triton code (`tl.`);
+"""Expression code for Gluon kernels. attngen/codegen/expr.py lowers the spec's expressions to Triton code (`tl.`);
 Gluon's language (`gl.`) has the same elementwise operations under other names. The names are translated
 one by one from a closed table: a name outside it raises Untranslatable, and the spec falls back to the Triton
 generator with that reason, so nothing unreviewed reaches a Gluon kernel."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from ... import expr as ex
+from ..expr import HELPERS
 
 # Triton name -> Gluon name (the same operation: elementwise, IEEE-rounded where the Triton one is)
 NAMES = {
@@ -51,5 +51,5 @@ def translate(code: str) -> str:
 
 
 def helpers(names: set[str]) -> list[str]:
-    """The Gluon definitions of expr.py's helper functions (_floordiv, _tanh, ...)."""
-    return [translate(ex.HELPERS[h]) for h in sorted(names)]
+    """The Gluon definitions of codegen/expr.py's helper functions (_floordiv, _tanh, ...)."""
+    return [translate(HELPERS[h]) for h in sorted(names)]

@@ -1,5 +1,5 @@
 """The Gluon generator's plan: which specs it can render (and, for the others, why not), and the sizes of its
-FlashAttention-3 schedules, derived from the target like the Triton generator's tiles (attngen/plan.py).
+FlashAttention-3 schedules, derived from the target like the Triton generator's tiles (attngen/plan/planner.py).
 Which generator renders each pass of a spec is choice.py's.
 
 The forward is warp-specialized: a load partition (one warp; Gluon pads it to a warpgroup) streams K and V
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ... import expr as ex
-from ...expr import FLOAT_POSITIONS
-from ...intervals import TileClass, classify_tiles, lower_tile_class
-from ...plan import KernelPlan, Step
-from ...spec import DType, Expr, KVLayout, LoopOrder, Spec
+from ...lang import expr as ex
+from ..expr import FLOAT_POSITIONS
+from ...lang.intervals import TileClass, classify_tiles
+from ..tiles import lower_tile_class
+from ...plan.planner import KernelPlan, Step
+from ...lang.spec import DType, Expr, KVLayout, LoopOrder, Spec
 from ..lowering import bias_of, converts_positions, key_part_affine
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
@@ -25,19 +26,19 @@ HEAD_DIMS = (64, 128, 256)  # the head dims its forward is written for (wgmma's 
 # thread (256 at d = 256, beyond the 240 a consumer has); other head dims take the Triton backward
 BACKWARD_HEAD_DIMS = (64, 128)
 # Query rows per consumer warpgroup: one m64 wgmma row block. With 128 the score tile alone takes 128 registers
-# per thread and ptxas spilled 1.5-4 KB and serialized the wgmmas at d=128 (compiled for sm_90, BENCHMARKS.md).
+# per thread and ptxas spilled 1.5-4 KB and serialized the wgmmas at d=128 (compiled for sm_90, ptxas's report).
 M_PER_WARPGROUP = 64
 REGISTERS_PER_SM = 65536
 # Three consumer warpgroups (192 query rows a work item, FlashAttention-3's choice at head_dim 64) against two, the
-# forward alone on the H100 (benchmarks/ab_templates.py, bf16, d = 64, B*N = 16384; BENCHMARKS.md, 2026-11-27 session
-# 20; outputs bit-identical): dense 1.09x (4096 keys) and 1.13x (16384); causal 0.94x / 1.05x, ALiBi 0.84x / 0.95x,
+# forward alone on the H100 (benchmarks/ab_templates.py, bf16, d = 64, B*N = 16384; 2026-11-27; outputs
+# bit-identical): dense 1.09x (4096 keys) and 1.13x (16384); causal 0.94x / 1.05x, ALiBi 0.84x / 0.95x,
 # prefix-LM 0.99x / 1.05x, a sliding window of 1024 0.65x / 0.87x. A work item's key range is its rows' union, and
 # at 192 rows more of its tiles are ones some warpgroup's rows do not see (computed, masked) or cut by the mask. So
 # three only where no mask, score modification or dropout is (each consumer then gets 160 registers, not 240).
 THREE_CONSUMERS_MAX_HEAD_DIM = 64
 # An affine key part of a separable bias (ALiBi) added to the forward's scores by the tensor cores, not by an
-# addition per score (GluonPlan.bias_mma), on the H100 (benchmarks/ab_templates.py, bf16, B*N = 16384; BENCHMARKS.md,
-# 2026-11-27 session 21): ALiBi's forward 1.067x (head_dim 64, 4096 keys), 1.065x (16384), 1.036x (128, 4096 keys,
+# addition per score (GluonPlan.bias_mma), on the H100 (benchmarks/ab_templates.py, bf16, B*N = 16384;
+# 2026-11-27): ALiBi's forward 1.067x (head_dim 64, 4096 keys), 1.065x (16384), 1.036x (128, 4096 keys,
 # the persistent form); at head_dim 128 a program per tile's 3-stage ring leaves no room for the offsets' tiles
 # (238 KB of shared memory): so head_dim 64 only.
 BIAS_MMA_MAX_HEAD_DIM = 64
@@ -45,22 +46,23 @@ LOAD_REGS = 24  # registers per thread the load warpgroup keeps (setmaxnreg.dec)
 MAX_STAGES = 4
 # The forward's persistent form (a program per SM taking query tiles from a counter: a tile's Q loads under the last
 # one's end, and O leaves from a tile of its own) for calls of at most this many keys. Measured on the H100 against
-# a program per tile (BENCHMARKS.md, 2026-11-26 session 13; bf16, dense / causal / sliding window, d = 64 and 128):
+# a program per tile (2026-11-26; bf16, dense / causal / sliding window, d = 64 and 128):
 # 1.05-1.14x at 1024 keys dense and causal (sliding windows 0.99-1.02x), 0.98-1.09x at 4096, 0.94-1.00x at 16384
 # (its ring is a stage shorter at d = 128, beside the O tiles)
 PERSISTENT_MAX_KEYS = 4096
 # The backward's persistent form (a program per SM taking work items by ticket: an item's K and V load under the
 # last one's final products and dK/dV stores), with dQ in a fixed order, for calls of at most this many keys (by
 # head_dim). Its dK and dV go out through each warpgroup's dS^T buffer and dQ part (K's and V's tiles are the next
-# item's by then). Measured on the H100 against a program per item (BENCHMARKS.md, 2026-11-27 session 18; bf16,
+# item's by then). Measured on the H100 against a program per item (2026-11-27; bf16,
 # B*N = 16384, outputs bit-identical): at d = 128 1.00-1.06x up to 4096 keys (dense 0.996x at 4096; causal 1.04-1.06x
 # at 1024-2048, documents 1.04-1.05x, windows 1.02x, packed sequences of <= 4096 1.01-1.02x), at 16384 dense 0.98x
 # and causal 1.00x (windows and documents 1.03-1.04x there); at d = 64 dense 1.01-1.04x, documents 1.07-1.09x and
-# packed sequences 1.04-1.08x, but causal 0.95x at 1024-4096 (session 15's rule, 1.02-1.07x then, kept: see there).
+# packed sequences 1.04-1.08x, but causal 0.95x at 1024-4096 (kept: the rule measured 1.02-1.07x when it was set,
+# 2026-11-26).
 PERSISTENT_BACKWARD_MAX_KEYS = {64: 2048, 128: 4096}
 # ... and calls of any length where the tile classes read the inputs' pre-pass (documents: each key tile's items are
 # as short as the data's documents, whatever the call's length): 1.04x at 16384 keys at d = 128 and 1.05x at d = 64
-# (BENCHMARKS.md, 2026-11-27 session 19; at 4096 1.05x and 1.07x)
+# (2026-11-27; at 4096 1.05x and 1.07x)
 PERSISTENT_BACKWARD_ANY_LENGTH = 2**31 - 1
 # A block pattern's tiles are classified by pieces of sparse_block tokens where that proves this share of all tiles
 # empty beyond what whole tiles prove, at PIECES_PROBE_N tokens (butterfly_blocks: 69 % more; local_global and
@@ -108,7 +110,7 @@ class GluonPlan:
     # the backward (dQ in a fixed order) likewise: calls of at most this many keys take a program per SM taking
     # work items (key tiles of a (batch, key/value head)) by ticket; 0: none
     bwd_persistent_max_keys: int = 0
-    # the backward lowers sums of positions as floats leaf by leaf (expr.FLOAT_POSITIONS): exact for calls of at most
+    # the backward lowers sums of positions as floats leaf by leaf (codegen.expr.FLOAT_POSITIONS): exact for calls of at most
     # this many tokens, longer ones take the Triton backward; 0: no limit
     bwd_max_positions: int = 0
     # the mask's tile classes read the inputs' pre-pass summaries (a document mask): short work items whatever the
@@ -214,7 +216,7 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     # (declared inputs the mask reads, head_dim 256 and block patterns: the load warp, which keeps 24 registers,
     # spilled in the persistent form, compiled for sm_90; none of them measured. Inputs the score alone reads: with
     # ALiBi's slopes[h] the persistent form measured 1.02-1.07x a program per tile at 1024-4096 keys, with a bias
-    # table read at q_idx - kv_idx 0.75-0.92x (BENCHMARKS.md, 2026-11-27 session 20): taken for reads of neither
+    # table read at q_idx - kv_idx 0.75-0.92x (2026-11-27): taken for reads of neither
     # index only)
     index_reads = any(ex.variables(i) & {"q_idx", "kv_idx"} for i in ex.input_reads(base.score))
     mask_reads = base.mask is not None and bool(ex.input_reads(base.mask))
@@ -238,7 +240,7 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
                       "not proved empty" if skip_empty else "range"))
     if base.score is not None:  # how the kernels compute the score modification (render.py: its code)
         if bias_of(base) is None:
-            steps.append(Step("score modification", "computed score by score (no separable bias: expr.separable_bias)", "per score"))
+            steps.append(Step("score modification", "computed score by score (no separable bias: lang.analysis.separable_bias)", "per score"))
         else:
             affine = key_part_affine(base)
             bias_mma = affine and d <= BIAS_MMA_MAX_HEAD_DIM
@@ -265,7 +267,7 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
 def _empty_tiles(base: KernelPlan, block_m: int, block_n: int, piece: int) -> tuple[int, int, int]:
     """(tiles proved empty whole, tiles whose every piece is proved empty, all tiles) of the forward's tiles at
     PIECES_PROBE_N tokens: what classifying by pieces gains for this mask (its cost, a loop over the pieces of
-    the tiles left partial, showed in every pattern measured: BENCHMARKS.md, 2026-11-25 session 6)."""
+    the tiles left partial, showed in every pattern measured on the H100, 2026-11-25)."""
     n = PIECES_PROBE_N
     whole = classify_tiles(base.mask, n, n, block_m, block_n)
     small = classify_tiles(base.mask, n, n, piece, piece)

@@ -1,14 +1,14 @@
 """render(gluon plan) -> the source of a Gluon module (the forward with FlashAttention-3's schedule), from the
-templates in templates/gluon/. The expressions are expr.py's, lowered for the Triton generator's q-outer forward
+templates in templates/gluon/. The expressions are codegen/expr.py's, lowered for the Triton generator's q-outer forward
 (the same fragments), their names translated by lower.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ... import expr as ex
-from ...canonical import format_spec
-from ...spec import DType
-from ...intervals import lower_tile_class
+from ...lang import expr as ex
+from ...lang.canonical import format_spec
+from ...lang.spec import DType
+from ..tiles import lower_tile_class
 from .. import Templates, versions
 from ..lowering import BiasCode, KernelCode, bias_of, key_part_affine, lower_bias, lower_for_kernel
 from .lower import helpers as gluon_helpers
@@ -37,7 +37,7 @@ def context(gp: GluonPlan) -> dict:
     names = [i.name for i in spec.inputs]
     helpers: set[str] = set()
     pos = plan.global_positions  # a context-parallel shard's kernels: the expressions see the whole sequence's lengths
-    # a score modification that is a separable bias (expr.separable_bias) is added as one: its key part per key, its
+    # a score modification that is a separable bias (lang.analysis.separable_bias) is added as one: its key part per key, its
     # row part in the log-sum-exp (the forward's epilogue and the backward's pre-pass); the other lowerings then
     # carry the mask alone
     bias = None
@@ -56,7 +56,7 @@ def context(gp: GluonPlan) -> dict:
                 "bwd_key": part("key", "", "q_lo", frozenset({"q_idx", "h", "score"}), "bbias_"),
                 "delta_row": part("row", "offs_r", "q_ref", frozenset(), "brow_")}
     fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers, global_positions=pos, want_score=bias is None)
-    # as the Triton dK/dV kernel's, but with sums of positions converted to float leaf by leaf (expr.FLOAT_POSITIONS)
+    # as the Triton dK/dV kernel's, but with sums of positions converted to float leaf by leaf (codegen.expr.FLOAT_POSITIONS)
     dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos, positions_leafwise=True,
                             want_score=bias is None)
     tile_class = None
@@ -86,7 +86,7 @@ def context(gp: GluonPlan) -> dict:
         "bias_mma": gp.bias_mma,  # the forward's affine key part added by the tensor cores
         "bsmem": ", bias_smem" if gp.bias_mma else "",
         "has_dropout": spec.dropout > 0.0,
-        "runtime_sparsity": spec.sparsity == "runtime",  # the kernels walk lists of kept blocks (attngen/blocks.py)
+        "runtime_sparsity": spec.sparsity == "runtime",  # the kernels walk lists of kept blocks (attngen/runtime/blocks.py)
         "sparse_block": spec.sparse_block,
         "deterministic": spec.deterministic,  # dQ's additions in a fixed order
         "guard_rows": plan.may_mask_rows,

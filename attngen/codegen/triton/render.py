@@ -1,17 +1,18 @@
 """render(plan) -> Triton source text, from the Jinja templates in templates/triton/.
 
 Templates receive only plan values (ints, enums, floats printed with repr) and code fragments lowered by
-attngen/expr.py; no spec text reaches them.
+attngen/codegen/expr.py; no spec text reaches them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ... import expr as ex
-from ...canonical import format_spec
-from ...intervals import lower_tile_class
-from ...plan import KernelPlan
-from ...spec import DType, Expr, KVLayout, LoopOrder
+from ...lang import expr as ex
+from ..expr import HELPERS
+from ...lang.canonical import format_spec
+from ..tiles import lower_tile_class
+from ...plan.planner import KernelPlan
+from ...lang.spec import DType, Expr, KVLayout, LoopOrder
 from .. import Templates, versions
 from ..lowering import lower_for_kernel
 
@@ -70,7 +71,7 @@ def context(plan: KernelPlan) -> dict:
         # float32 specs ask for exact float32 products: Triton's default for fp32 dots is TF32 on the GPU.
         "dot_args": ', input_precision="ieee"' if plan.dtype is DType.FP32 else "",
         "inputs": [_Input(i.name, len(i.dims)) for i in spec.inputs],
-        "helpers": [ex.HELPERS[h] for h in sorted(helpers)],
+        "helpers": [HELPERS[h] for h in sorted(helpers)],
         "fwd": fwd,
         "dkdv": dkdv,
         "dq": dq,

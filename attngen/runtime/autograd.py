@@ -1,0 +1,163 @@
+"""Autograd for a kernel's calls: an eager call is a torch.autograd.Function (a few microseconds of dispatch);
+under torch.compile the same work is a pair of torch.library custom ops (forward, backward) per kernel, which
+the compiler traces as single calls. Both run Kernel._forward_impl and Kernel._backward_impl."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor  # at module scope: the custom ops' annotations are read as strings
+
+from .layout import empty_like_layout
+from .packed import heads_first, tokens_first
+from .serving import decode_impl, serving_dims
+
+
+def as_input_grads(inputs, grads: list, wanted) -> tuple:
+    """One entry per input: its gradient where `wanted` says it needs one (grads holds one per float input, in
+    order), None for the rest."""
+    floats = iter(grads)
+    per_input = [next(floats) if t.is_floating_point() else None for t in inputs]
+    return tuple(g if w else None for g, w in zip(per_input, wanted))
+
+
+class AttentionFunction(torch.autograd.Function):
+    """An eager call: a few microseconds of dispatch (a torch.library custom op with autograd cost ~55 us more per
+    call on the 2-core CPU machine, so the ops serve torch.compile only; both run Kernel._forward_impl and
+    _backward_impl). `options`: (dropout_p, seed, block_mask, varlen), or None for none of them (a plain call:
+    fewer arguments for autograd to pass over)."""
+
+    @staticmethod
+    def forward(ctx, kernel, options, q, k, v, *inputs):
+        ctx.set_materialize_grads(False)
+        options = options or PLAIN
+        o, lse = kernel._forward_impl(q, k, v, inputs, *options)
+        ctx.kernel, ctx.options = kernel, options
+        ctx.save_for_backward(q, k, v, o, lse, *inputs)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, *inputs = ctx.saved_tensors
+        if do is None and dlse is None:
+            return (None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
+        if do is None:
+            do = torch.zeros_like(o)
+        dropout_p, seed, block_mask, varlen = ctx.options
+        wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[5:], inputs)]
+        dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, any(wanted), varlen)
+        return (None, None, dq, dk, dv) + as_input_grads(inputs, grads, wanted)
+
+
+PLAIN = (0.0, None, None, None)  # AttentionFunction's options of a plain call
+
+
+class Ops:
+    """A kernel's torch.library custom ops, which torch.compile traces as single calls (with dynamic shapes): the
+    forward `attngen::<name>_fwd` (O and the lse in log2 units) and the backward `attngen::<name>_bwd`, its
+    autograd formula. <name> is the spec's name and the first 12 hex digits of the spec's sha256, and a number
+    where another kernel of the same spec (another target, generator or bundle) is registered in this process.
+    Fake implementations give the outputs' shapes; the real ones run Kernel._forward_impl / _backward_impl."""
+
+    _names: dict[str, int] = {}
+
+    def __init__(self, kernel):
+        spec = kernel.spec
+        base = f"{spec.name}_{kernel.plan.spec_hash[:12]}"
+        count = Ops._names[base] = Ops._names.get(base, 0) + 1
+        self.name = base if count == 1 else f"{base}_{count}"
+
+        def forward(q: Tensor, k: Tensor, v: Tensor, inputs: list[Tensor], dropout_p: float, seed: Tensor | None,
+                    block_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+            return kernel._forward_impl(q, k, v, inputs, dropout_p, seed, block_mask)
+
+        def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, dlse: Tensor | None, inputs: list[Tensor],
+                     dropout_p: float, seed: Tensor | None, block_mask: Tensor | None, input_grads: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+            return kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, input_grads)
+
+        def decode(q: Tensor, k: Tensor, v: Tensor, inputs: list[Tensor], kv_lens: Tensor | None, q_lens: Tensor | None,
+                   block_table: Tensor | None) -> tuple[Tensor, Tensor]:
+            return decode_impl(kernel, q, k, v, inputs, kv_lens, q_lens, block_table, serving_dims(q, k, block_table))
+
+        self.decode = torch.library.custom_op(f"attngen::{self.name}_decode", decode, mutates_args=())
+        self.decode.register_fake(_fake_decode)
+        self.forward = torch.library.custom_op(f"attngen::{self.name}_fwd", forward, mutates_args=())
+        self.backward = torch.library.custom_op(f"attngen::{self.name}_bwd", backward, mutates_args=())
+        self.forward.register_fake(_fake_forward)
+        self.backward.register_fake(_fake_backward)
+        self.forward.register_autograd(self._autograd, setup_context=_setup_context)
+
+        # packed sequences (cu_seqlens): q, k, v, O, dO and the gradients in flash_attn's (total, H, D) layout, the
+        # lse (Hq, total); the kernels see them as (1, H, total, D) views (packed.check_packed)
+        def varlen_forward(q: Tensor, k: Tensor, v: Tensor, inputs: list[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: Tensor | None) -> tuple[Tensor, Tensor]:
+            o, lse = kernel._forward_impl(*heads_first(q, k, v), inputs, dropout_p, seed, None, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+            return tokens_first(o), lse.squeeze(0).contiguous()
+
+        def varlen_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, dlse: Tensor | None, inputs: list[Tensor],
+                            cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                            seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+            varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            dq, dk, dv, _ = kernel._backward_impl(*heads_first(q, k, v, o), lse.unsqueeze(0), *heads_first(do), None if dlse is None else dlse.unsqueeze(0),
+                                                  inputs, dropout_p, seed, None, False, varlen)
+            return tokens_first(dq), tokens_first(dk), tokens_first(dv)
+
+        self.varlen_forward = torch.library.custom_op(f"attngen::{self.name}_varlen_fwd", varlen_forward, mutates_args=())
+        self.varlen_backward = torch.library.custom_op(f"attngen::{self.name}_varlen_bwd", varlen_backward, mutates_args=())
+        self.varlen_forward.register_fake(_fake_varlen_forward)
+        self.varlen_backward.register_fake(_fake_varlen_backward)
+        self.varlen_forward.register_autograd(self._varlen_autograd, setup_context=_setup_varlen_context)
+
+    def _autograd(self, ctx, do, dlse):
+        q, k, v, o, lse, *rest = ctx.saved_tensors
+        inputs, seed, block_mask = rest[:ctx.n_inputs], *_optional(rest[ctx.n_inputs:], ctx.has_seed, ctx.has_block_mask)
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv, grads = self.backward(q, k, v, o, lse, do, dlse, inputs, ctx.dropout_p, seed, block_mask, any(ctx.wanted))
+        return dq, dk, dv, list(as_input_grads(inputs, grads, ctx.wanted)), None, None, None
+
+    def _varlen_autograd(self, ctx, do, dlse):
+        q, k, v, o, lse, cu_q, cu_k, *rest = ctx.saved_tensors
+        inputs, seed = rest[:ctx.n_inputs], (rest[ctx.n_inputs] if ctx.has_seed else None)
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = self.varlen_backward(q, k, v, o, lse, do, dlse, inputs, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.dropout_p, seed)
+        return dq, dk, dv, [None] * ctx.n_inputs, None, None, None, None, None, None
+
+
+def _setup_varlen_context(ctx, inputs, output) -> None:
+    q, k, v, tensors, cu_q, cu_k, max_q, max_k, dropout_p, seed = inputs
+    ctx.n_inputs, ctx.dropout_p, ctx.max_q, ctx.max_k, ctx.has_seed = len(tensors), dropout_p, max_q, max_k, seed is not None
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, *tensors, *((seed,) if seed is not None else ()))
+
+
+def _fake_varlen_forward(q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _fake_varlen_backward(q, k, v, o, lse, do, dlse, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, tensors, dropout_p, seed, block_mask = inputs
+    ctx.n_inputs, ctx.dropout_p = len(tensors), dropout_p
+    ctx.has_seed, ctx.has_block_mask = seed is not None, block_mask is not None
+    ctx.wanted = [t.requires_grad and t.is_floating_point() for t in tensors]
+    ctx.save_for_backward(q, k, v, *output, *tensors, *(t for t in (seed, block_mask) if t is not None))
+
+
+def _optional(saved, has_seed: bool, has_block_mask: bool) -> tuple:
+    saved = iter(saved)
+    return (next(saved) if has_seed else None), (next(saved) if has_block_mask else None)
+
+
+def _fake_decode(q, k, v, inputs, kv_lens, q_lens, block_table):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _fake_forward(q, k, v, inputs, dropout_p, seed, block_mask):
+    return empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)  # O laid out as the kernels lay it out
+
+
+def _fake_backward(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, input_grads):
+    grads = [t.new_empty(t.shape if input_grads else (0,)) for t in inputs if t.is_floating_point()]
+    return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v), grads
