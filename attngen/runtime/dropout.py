@@ -9,7 +9,7 @@ import torch
 
 from ..codegen.triton import build_dropout_source
 from ..errors import InputError
-from .loader import check_device, load_module
+from .loader import check_device, interpreted_if_cpu, load_module
 
 
 def _dropout_module() -> ModuleType:
@@ -35,7 +35,8 @@ def dropout_mask(seed: int | torch.Tensor, dropout_p: float, batch: int, heads: 
     device = torch.device(device)
     module = _dropout_module()
     check_device(device, module)
-    return module.dropout_mask(seed, float(dropout_p), batch, heads, q_len, kv_len, device)
+    with interpreted_if_cpu(device):
+        return module.dropout_mask(seed, float(dropout_p), batch, heads, q_len, kv_len, device)
 
 
 def dropout_probability(dropout_p: float) -> float:

@@ -75,11 +75,16 @@ def _check_interpreted(module: ModuleType | None) -> None:
         raise InputError(_INTERPRET_LATE.format(what=f"the generated module {Path(module.__file__).name}"))
 
 
+_interpreter_lock = threading.RLock()
+
+
 @contextlib.contextmanager
 def interpreted():
-    """Held around every run of generated kernels on CPU tensors: numpy's division warnings off, since a row that
-    keeps no key has lse = m + log2(0) = -inf by design."""
-    with np.errstate(divide="ignore"):
+    """Held around every run of generated kernels on CPU tensors: one run at a time per process, since Triton's
+    interpreter patches module-wide state while a kernel runs (concurrent runs from several threads failed with
+    "Did you forget to add @triton.jit?"); and numpy's division warnings off, since a row that keeps no key has
+    lse = m + log2(0) = -inf by design."""
+    with _interpreter_lock, np.errstate(divide="ignore"):
         yield
 
 
