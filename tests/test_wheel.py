@@ -31,7 +31,7 @@ def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     templates = {p.relative_to(ROOT / "templates").as_posix() for p in (ROOT / "templates").rglob("*.jinja")}
     assert templates and {f"attngen/templates/{t}" for t in templates} <= names
-    assert "attngen/grammar.lark" in names
+    assert "attngen/lang/grammar.lark" in names
     assert "attngen/py.typed" in names  # PEP 561: type checkers read attngen's annotations
     assert any(n.endswith("entry_points.txt") for n in names)
 

@@ -19,6 +19,9 @@ def as_input_grads(inputs, grads: list, wanted) -> tuple:
     return tuple(g if w else None for g, w in zip(per_input, wanted))
 
 
+PLAIN = (0.0, None, None, None)  # AttentionFunction's options of a plain call
+
+
 class AttentionFunction(torch.autograd.Function):
     """An eager call: a few microseconds of dispatch (a torch.library custom op with autograd cost ~55 us more per
     call on the 2-core CPU machine, so the ops serve torch.compile only; both run Kernel._forward_impl and
@@ -45,9 +48,6 @@ class AttentionFunction(torch.autograd.Function):
         wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[5:], inputs)]
         dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, any(wanted), varlen)
         return (None, None, dq, dk, dv) + as_input_grads(inputs, grads, wanted)
-
-
-PLAIN = (0.0, None, None, None)  # AttentionFunction's options of a plain call
 
 
 class Ops:

@@ -60,22 +60,17 @@ def simulate():
     def load(j):
         nonlocal load_t
         start = load_t
-        if j >= STAGES:  # wait until both warpgroups released slot j % STAGES (K: after S, V: after P V)
-            free_k = max(s_end[0][j - STAGES], s_end[1][j - STAGES])
-            if free_k > start:
-                bars.append(("load warp\n(TMA)", start, free_k, f"wait free[{j % STAGES}]", None, "wait"))
-                start = free_k
-        bars.append(("load warp\n(TMA)", start, start + COPY, f"K{j}", None, "load"))
-        k_arrived[j] = start + COPY
-        start += COPY
-        if j >= STAGES:
-            free_v = max(pv_end[0][j - STAGES], pv_end[1][j - STAGES])
-            if free_v > start:
-                bars.append(("load warp\n(TMA)", start, free_v, f"wait free[{j % STAGES}]", None, "wait"))
-                start = free_v
-        bars.append(("load warp\n(TMA)", start, start + COPY, f"V{j}", None, "load"))
-        v_arrived[j] = start + COPY
-        load_t = start + COPY
+        # K, then V: each waits until both warpgroups released slot j % STAGES (K after S, V after P V)
+        for tile, released, arrived in (("K", s_end, k_arrived), ("V", pv_end, v_arrived)):
+            if j >= STAGES:
+                free = max(released[0][j - STAGES], released[1][j - STAGES])
+                if free > start:
+                    bars.append(("load warp\n(TMA)", start, free, f"wait free[{j % STAGES}]", None, "wait"))
+                    start = free
+            bars.append(("load warp\n(TMA)", start, start + COPY, f"{tile}{j}", None, "load"))
+            arrived[j] = start + COPY
+            start += COPY
+        load_t = start
 
     loaded = 0
     for j in range(TILES + 1):  # step TILES: the last tile's P V alone
