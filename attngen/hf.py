@@ -30,16 +30,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .runtime.dtypes import SPEC_FLOAT_DTYPES
 from .errors import AttngenError
 from .lang.spec import Spec
+from .runtime.dtypes import SPEC_FLOAT_DTYPES
 
 if TYPE_CHECKING:
     from .runtime import Kernel
 
 try:
-    from transformers import AttentionInterface
-    from transformers import masking_utils
+    from transformers import AttentionInterface, masking_utils
     from transformers.masking_utils import AttentionMaskInterface
 except ImportError as err:
     raise ImportError("attngen.hf needs transformers >= 4.53 (its AttentionMaskInterface): pip install 'attngen[hf]'") from err

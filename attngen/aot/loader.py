@@ -11,6 +11,7 @@ from ..errors import BundleError
 from .manifest import MANIFEST, BundleWarning, _verify_files, describe_miss, read_manifest, specialization_key
 from .record import import_compiled, jit_kernels
 
+
 @dataclass
 class BundleStats:
     """What a loaded bundle did: kernels launched from its binaries, and compiled just in time (misses)."""

@@ -164,8 +164,8 @@ def _packed_calls(spec):
     (1, H, total rows, D) views of (total rows, H, D) CPU tensors, for each of PACKED."""
     import torch
 
-    from ..runtime.dtypes import TORCH_DTYPES
     from ..runtime.checks import Dims
+    from ..runtime.dtypes import TORCH_DTYPES
     from ..runtime.samples import make_inputs
 
     dtype = TORCH_DTYPES[spec.dtype.value]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import jinja2
 
-from ..version import __version__
 from ..errors import AttngenError
+from ..version import __version__
 
 
 class TemplateError(AttngenError):

@@ -14,7 +14,6 @@ from ..lang.expr import Scope, children, is_number, promote, typeof, variables
 from ..lang.ranges import INT32, integer_range, may_be_zero, within
 from ..lang.spec import BIT_OPS, COMPARE_OPS, Binary, Call, Const, Expr, Index, InputDecl, Type, Unary, Var
 
-
 # ---- lowering to Triton -----------------------------------------------------------------------------
 # Python operator precedence of the generated code (higher binds tighter).
 _PY_PREC = {"|": 3, "^": 4, "&": 5, "cmp": 2, "+": 7, "-": 7, "*": 8, "/": 8, "//": 8, "%": 8}

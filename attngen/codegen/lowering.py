@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from ..lang import expr as ex
 from ..lang.analysis import affine_in, separable_bias
-from .expr import Lowerer
-from ..plan.planner import KernelPlan
 from ..lang.spec import Binary, DType, Type, Var
+from ..plan.planner import KernelPlan
+from .expr import Lowerer
 
 
 @dataclass(frozen=True)

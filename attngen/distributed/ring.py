@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from ..lang.intervals import Truth, tile_env, truth
+from ..lang.spec import DType, KVLayout
 from ..runtime import Kernel
 from ..runtime.checks import Dims, check_call, check_direct_indices, dropout_args
 from ..runtime.kernel import LN2
 from ..runtime.shard import shard_backward, shard_forward
-from ..lang.spec import DType, KVLayout
 from .layout import Chunk, _group_shape, check_layout, chunks
 
 

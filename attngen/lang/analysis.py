@@ -7,7 +7,6 @@ from .algebra import fold
 from .expr import FLOAT_FUNCTIONS, INDEX_VARS, Scope, children, substitute, variables
 from .spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
 
-
 # ---- sign analysis (lets `//` and `%` use the fast truncating operators) ---------------------------
 _NONNEG_VARS = frozenset(INDEX_VARS + ("q_blk", "kv_blk"))
 

@@ -7,13 +7,13 @@ import os
 import re
 from pathlib import Path
 
+from ..errors import AttngenError, SpecError
+from ..targets import TARGETS
 from . import expr as ex
 from .algebra import fold
-from ..errors import AttngenError, SpecError
 from .ranges import INT32, INT64, integer_range, within
-from .spec import Backend, Binary, Call, Const, DType, Expr, InputDecl, INPUT_DTYPES, KVLayout, LoopOrder, Spec, Type, Unary, Var
+from .spec import INPUT_DTYPES, Backend, Binary, Call, Const, DType, Expr, InputDecl, KVLayout, LoopOrder, Spec, Type, Unary, Var
 from .syntax import ParsedSpec, Setting, parse
-from ..targets import TARGETS
 
 SETTINGS = (
     "head_dim",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..errors import SpecError
 from .ranges import INT32, within
 from .spec import ARITH_OPS, BIT_OPS, COMPARE_OPS, Binary, Call, Const, Expr, Index, InputDecl, Type, Unary, Var
+
 # Variables of the language, with their type. Which ones an expression may use depends on the setting.
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
 MASK_VARS = frozenset(INDEX_VARS)

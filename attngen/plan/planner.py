@@ -12,10 +12,10 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
+from ..errors import PlanError
 from ..lang import expr as ex
 from ..lang.algebra import derivative, read_derivative
 from ..lang.canonical import spec_hash
-from ..errors import PlanError
 from ..lang.intervals import keeps_first_key
 from ..lang.spec import Binary, Const, DType, Expr, Index, KVLayout, LoopOrder, Spec, Type, Var
 from ..targets import Target, detect, get_target

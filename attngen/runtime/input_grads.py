@@ -9,7 +9,6 @@ from ..lang.spec import Index, Spec, Var
 from .checks import Dims
 from .evaluate import evaluate
 
-
 _AXES = ("b", "h", "q_idx", "kv_idx")  # the axes of a direct read's term buffer (B, H, Nq, Nk)
 
 

@@ -18,18 +18,18 @@ import torch
 from ..codegen.gluon import Choice
 from ..errors import InputError
 from ..lang.spec import DType, KVLayout, Spec
+from ..plan.decode import takes_plain_call
 from ..plan.planner import KernelPlan
 from ..plan.tune import Tuner
 from ..plan.tune import bucket as tune_bucket
 from .autograd import AttentionFunction, Ops
 from .blocks import block_lists
-from .checks import Dims, check_all, check_block_mask, check_call, direct_indices, dims_of, dropout_args
+from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .fp8 import dequantize, fp8_call
 from .input_grads import reduce_input_grads
 from .layout import empty_like_layout
 from .loader import check_device, interpreted_if_cpu, is_sm90
 from .packed import check_packed, check_packed_features
-from ..plan.decode import takes_plain_call
 from .serving import decode_impl, serving_call
 from .twins import float32_twin, up
 
@@ -50,7 +50,7 @@ class Kernel:
         # `auto` tiles (attngen/plan/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
         self._passed: dict[tuple, Dims] = {}  # calls whose checks passed: checks.check_call, serving.serving_call
-        self._decode_shapes: dict[Dims, object] = {}  # plan.decode.decode_shape of each call's sizes: serving.decode
+        self._decode_shapes: dict[Dims, object] = {}  # plan.decode.decode_shape of each call's sizes: serving.decode_impl
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
         self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _twin
         self._shard_twin: Kernel | None = None  # the kernels of a context-parallel shard: shard.shard_kernel

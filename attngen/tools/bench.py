@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from ..runtime import blocks
 from ..cache import write_atomic
 from ..lang.expr import SCORE_VARS, Scope, variables
+from ..lang.spec import Binary, DType, Spec, Var
+from ..plan.planner import effective_mask
+from ..plan.tune import describe, entries_at
+from ..runtime import blocks
 from ..runtime.evaluate import evaluate
 from .reference import reference
-from ..plan.planner import effective_mask
-from ..lang.spec import Binary, DType, Spec, Var
-from ..plan.tune import describe, entries_at
 
 CHECK_TOLERANCE = 3e-2  # max |out - reference| accepted before timing (bf16 outputs of unit-variance inputs)
 _flex = None
@@ -185,8 +185,8 @@ def make_case(spec: Spec, seq: int, tokens: int = 16384, width: int = 2048, seed
     dO, the spec's inputs, the call's other keywords (block_mask, dropout)). An integer input of shape (B, N) is
     taken for document ids: documents of 256-2048 tokens (random_documents); other inputs as `attngen check`
     makes them."""
-    from . import verify
     from ..runtime.dtypes import TORCH_DTYPES
+    from . import verify
 
     d = spec.head_dim
     batch, heads = max(1, tokens // seq), max(1, width // d)

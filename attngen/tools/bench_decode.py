@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from .bench import _matplotlib, flex, flex_mods, median_ms, report, versions
 from ..cache import write_atomic
 from ..kvcache import append
 from ..lang.spec import KVLayout, Spec
+from .bench import _matplotlib, flex, flex_mods, median_ms, report, versions
 
 CHECK_TOLERANCE = 2e-2  # max |out - reference| of a bf16 output accepted before timing
 PAGE_SIZES = (16, 64)

@@ -132,9 +132,9 @@ def cmd_check(args) -> int:
 
     import torch
 
-    from . import verify
-    from ..runtime import compile as compile_spec
     from ..lang.spec import DType
+    from ..runtime import compile as compile_spec
+    from . import verify
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("attngen check: --device cuda but no CUDA device is visible", file=sys.stderr)

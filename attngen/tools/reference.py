@@ -47,8 +47,8 @@ def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype:
                      and q_lens is None and block_table is None)
     dtype = dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
     if k.dtype == torch.float8_e4m3fn and q.dtype != torch.float8_e4m3fn:  # FP8 key/value caches (kv_dtype = fp8)
-        from ..runtime import fp8
         from ..kvcache import gather
+        from ..runtime import fp8
 
         if block_table is not None:
             k, v, block_table = gather(k, block_table), gather(v, block_table), None

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.dtypes import TORCH_DTYPES
-from ..runtime.samples import make_inputs
 from ..lang.expr import SCORE_VARS, Scope
-from ..runtime.evaluate import evaluate
-from .reference import probabilities, reference, score_env
 from ..lang.spec import DType, KVLayout
+from ..runtime.dtypes import TORCH_DTYPES
+from ..runtime.evaluate import evaluate
+from ..runtime.samples import make_inputs
+from .reference import probabilities, reference, score_env
 
 # (batch, query heads, key/value heads, q_len, kv_len): a single token, an odd length, GQA with
 # q_len != kv_len, MQA with short queries and long keys, and tile-aligned lengths.

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from ...errors import PlanError
 from ...lang.expr import FLOAT_FUNCTIONS, children, input_reads, variables
-from ...plan.planner import KernelPlan
 from ...lang.spec import Backend, Binary, Call, DType, Expr, Spec, Var
+from ...plan.planner import KernelPlan
+from ..lowering import bias_of
 from .lower import Untranslatable
 from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
 from .render import context
-from ..lowering import bias_of
 
 # What `auto` takes, from measurements on the H100 (bf16, B*N = 16384; each figure the Gluon kernels' speed over the
 # Triton generator's, both in one process):

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...lang import expr as ex
-from ..expr import FLOAT_POSITIONS
 from ...lang.intervals import TileClass, classify_tiles
-from ..tiles import lower_tile_class
-from ...plan.planner import KernelPlan, Step
 from ...lang.spec import DType, Expr, KVLayout, LoopOrder, Spec
+from ...plan.planner import KernelPlan, Step
+from ..expr import FLOAT_POSITIONS
 from ..lowering import bias_of, converts_positions, key_part_affine
+from ..tiles import lower_tile_class
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
 HEAD_DIMS = (64, 128, 256)  # the head dims its forward is written for (wgmma's K step is 16)

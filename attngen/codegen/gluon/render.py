@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from ...lang import expr as ex
 from ...lang.canonical import format_spec
 from ...lang.spec import DType
-from ..tiles import lower_tile_class
 from .. import Templates, versions
 from ..lowering import BiasCode, KernelCode, bias_of, key_part_affine, lower_bias, lower_for_kernel
+from ..tiles import lower_tile_class
 from .lower import helpers as gluon_helpers
 from .lower import translate
 from .plan import M_PER_WARPGROUP, GluonPlan, entry_regs

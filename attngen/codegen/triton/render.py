@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...lang import expr as ex
-from ..expr import HELPERS
 from ...lang.canonical import format_spec
-from ..tiles import lower_tile_class
-from ...plan.planner import KernelPlan
 from ...lang.spec import DType, Expr, KVLayout, LoopOrder
+from ...plan.planner import KernelPlan
 from .. import Templates, versions
+from ..expr import HELPERS
 from ..lowering import lower_for_kernel
+from ..tiles import lower_tile_class
 
 LOG2E = 1.4426950408889634
 TEMPLATES = Templates("triton", "module.py.jinja")
