@@ -130,6 +130,29 @@ def test_non_contiguous_inputs_and_grad(device, target):
         assert torch.allclose(g.double(), rg.double(), atol=5e-5)
 
 
+
+@pytest.mark.parametrize("contiguous", ["k", "v"])
+def test_k_and_v_in_different_layouts(contiguous, device, target):
+    """k contiguous and v a (B, N, H, D) memory seen through transpose(1, 2), or the other way round, as models make
+    them where rotary embeddings copy k and v stays the projection's view: dK and dV each laid out as its input came,
+    each written through its own strides."""
+    kern = _compile(load_spec("attention t { head_dim = 32 mask = q_idx >= kv_idx }"), "fp32", target)
+    gen = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, N = 2, 4, 2, 37
+    q = _rand(B, Hq, N, 32, device=device, dtype=torch.float32, gen=gen).requires_grad_()
+    flat, viewed = (_rand(B, Hkv, N, 32, device=device, dtype=torch.float32, gen=gen),
+                    _rand(B, N, Hkv, 32, device=device, dtype=torch.float32, gen=gen).transpose(1, 2))
+    k, v = ((flat, viewed) if contiguous == "k" else (viewed, flat))
+    k, v = k.detach().requires_grad_(), v.detach().requires_grad_()
+    do = _rand(B, Hq, N, 32, device=device, dtype=torch.float32, gen=gen)
+    grads = torch.autograd.grad(kern(q, k, v), (q, k, v), do)
+    ref = attngen.reference(kern.spec, *(t.double() for t in (q, k, v)), dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+    for g, rg, t in zip(grads, ref_grads, (q, k, v)):
+        assert g.stride() == t.stride() and not g.isnan().any()
+        assert torch.allclose(g.double(), rg.double(), atol=5e-5)
+
+
 TMA_SPECS = {
     "causal_padded_head": "attention t { head_dim = 40 mask = q_idx >= kv_idx }",
     "document_gqa": "attention t { head_dim = 32 input doc: int32[B, N] mask = doc[b, q_idx] == doc[b, kv_idx] block_m = 16 block_n = 32 }",
