@@ -15,9 +15,10 @@ function then compiles (once per configuration) a spec with exactly that pattern
             q_len == kv_len), [and within the sliding window], [and attention_mask[b, kv_idx] for padding],
             [and sequence[b, q_idx] == sequence[b, kv_idx] for packed sequences]
     score = [softcap * tanh(score / softcap)]      scale = the layer's `scaling`      dropout = [the layer's]
+    sink  = [sinks[h], the layer's attention sinks (gpt-oss's s_aux), as `input sinks: fp32[H]`]
 
 Anything else a model asks for (a non-causal or chunked mask, extra mask functions, a 4-D mask built
-elsewhere, a static cache, position biases, attention sinks, returning the attention weights) is an
+elsewhere, a static cache, position biases, returning the attention weights) is an
 `UnsupportedAttention` error naming it; nothing falls back silently to another implementation.
 """
 from __future__ import annotations
@@ -49,6 +50,8 @@ __all__ = ["register", "Mask", "AttentionFunction", "UnsupportedAttention", "PAD
 PADDING_INPUT = "attention_mask"
 # The input of packed sequences' ids in the specs register() compiles without a user spec.
 SEQUENCE_INPUT = "sequence"
+# The input of a layer's attention sinks (s_aux) in those specs.
+SINK_INPUT = "sinks"
 
 # transformers' own implementations, which register() must not replace
 _BUILTIN = {"eager"} | set(AttentionInterface._global_mapping) | set(AttentionMaskInterface._global_mapping)
@@ -175,11 +178,12 @@ class _Config:
     padding: bool
     packed: bool
     dropout: float
+    sinks: bool = False  # a learned sink per head (gpt-oss's s_aux): input sinks: fp32[H]
 
     def spec_text(self) -> str:
         name = "_".join(["hf", "causal"] + [part for part, on in (
             (f"window{self.window}", self.window), ("softcap", self.softcap), ("padding", self.padding), ("packed", self.packed),
-            ("dropout", self.dropout)) if on])
+            ("dropout", self.dropout), ("sinks", self.sinks)) if on])
         query = "q_idx" if self.aligned else "(q_idx + kv_len - q_len)"
         mask = [f"{query} >= kv_idx"]
         if self.window is not None:
@@ -196,6 +200,8 @@ class _Config:
             lines.append(f"score = {self.softcap!r} * tanh(score / {self.softcap!r})")
         if self.dropout:
             lines.append(f"dropout = {self.dropout!r}")
+        if self.sinks:
+            lines += [f"input {SINK_INPUT}: fp32[H]", f"sink = {SINK_INPUT}[h]"]
         return f"attention {name} {{\n" + "".join(f"    {line}\n" for line in lines) + "}\n"
 
 
@@ -237,18 +243,25 @@ class AttentionFunction:
                 f"a prepared mask (e.g. a 4-D mask passed to the model) is not supported; pass the 2-D padding mask")
         p = float(dropout) if module.training else 0.0  # as transformers' eager attention: dropout only in training
         softcap = kwargs.get("softcap")
+        sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per query head joins every row's softmax
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (query.shape[1],)):
+            raise UnsupportedAttention(f"attngen.hf takes attention sinks (s_aux) as one value per query head, ({query.shape[1]},); "
+                                       f"this layer passes {tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
         if self.kernel is not None:
             kernel = self.kernel
-            _check_user_spec(kernel.spec, scaling, window, softcap, keep is not None, sequence is not None)
+            _check_user_spec(kernel.spec, scaling, window, softcap, keep is not None, sequence is not None, sinks is not None)
             if keep is None and PADDING_INPUT in kernel.spec.inputs_by_name:  # no padding: every key is a token
                 keep = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
         else:
-            kernel = self._kernel(self._config(query, key, value, scaling, window, softcap, keep is not None, sequence is not None, p))
+            kernel = self._kernel(self._config(query, key, value, scaling, window, softcap, keep is not None, sequence is not None, p,
+                                               sinks is not None))
         inputs = {name: t for name, t in ((PADDING_INPUT, keep), (SEQUENCE_INPUT, sequence)) if t is not None}
+        if sinks is not None:  # in float32, as the spec declares them (the cast passes the gradient on to the model's)
+            inputs[SINK_INPUT] = sinks.float()
         out = kernel(query, key, value, dropout_p=p, **inputs)
         return out.transpose(1, 2).contiguous(), None
 
-    def _config(self, query, key, value, scaling, window, softcap, padding: bool, packed: bool, dropout: float) -> _Config:
+    def _config(self, query, key, value, scaling, window, softcap, padding: bool, packed: bool, dropout: float, sinks: bool) -> _Config:
         head_dim = query.shape[-1]
         if value.shape[-1] != head_dim or key.shape[-1] != head_dim:
             raise UnsupportedAttention(f"attngen runs attention whose queries, keys and values have one head dimension; got "
@@ -263,7 +276,7 @@ class AttentionFunction:
         if window is not None and (not isinstance(window, int) or window < 1):
             raise UnsupportedAttention(f"a sliding window must be a positive number of tokens; this model's is {window!r}")
         return _Config(head_dim, SPEC_FLOAT_DTYPES[query.dtype], None if scaling is None else float(scaling), query.shape[2] == key.shape[2],
-                       window, None if softcap is None else float(softcap), padding, packed, dropout)
+                       window, None if softcap is None else float(softcap), padding, packed, dropout, sinks)
 
     def _kernel(self, config: _Config) -> Kernel:
         kernel = self.kernels.get(config)
@@ -279,9 +292,8 @@ def _refuse(kwargs: dict) -> None:
     if kwargs.get("output_attentions"):
         raise UnsupportedAttention("attngen never materializes the attention weights: output_attentions=True is not supported "
                                    "(use attn_implementation='eager' to inspect them)")
-    for name, what in (("position_bias", "a position bias tensor"), ("s_aux", "attention sinks (s_aux)")):
-        if kwargs.get(name) is not None:
-            raise UnsupportedAttention(f"attngen.hf does not support {what}")
+    if kwargs.get("position_bias") is not None:
+        raise UnsupportedAttention("attngen.hf does not support a position bias tensor")
 
 
 def _user_kernel(spec: Spec | str | os.PathLike, target: str | None) -> Kernel:
@@ -302,7 +314,7 @@ def _user_kernel(spec: Spec | str | os.PathLike, target: str | None) -> Kernel:
     return kernel
 
 
-def _check_user_spec(spec: Spec, scaling, window, softcap, padding: bool, packed: bool) -> None:
+def _check_user_spec(spec: Spec, scaling, window, softcap, padding: bool, packed: bool, sinks: bool = False) -> None:
     """A user's spec replaces the model's mask and score; what the model asks for beyond them must not be lost."""
     if scaling is not None and not math.isclose(spec.softmax_scale, scaling, rel_tol=1e-9):
         raise UnsupportedAttention(f"the layer scales scores by {scaling!r}, the spec {spec.name!r} by {spec.softmax_scale!r}: set "
@@ -316,6 +328,9 @@ def _check_user_spec(spec: Spec, scaling, window, softcap, padding: bool, packed
     if packed:
         raise UnsupportedAttention(f"the batch packs several sequences per row (position_ids restart), which the spec "
                                    f"{spec.name!r} cannot be checked to keep apart; use register() without a spec")
+    if sinks:
+        raise UnsupportedAttention(f"the layer has attention sinks (s_aux), which the spec {spec.name!r} cannot be checked to apply; "
+                                   f"use register() without a spec")
     if padding and PADDING_INPUT not in spec.inputs_by_name:
         raise UnsupportedAttention(f"the model's inputs are padded, but the spec {spec.name!r} does not declare "
                                    f"`input {PADDING_INPUT}: bool[B, N]` to receive the padding mask")

@@ -218,7 +218,8 @@ def test_plain_calls_with_few_queries_take_the_decode_kernels(device):
     assert torch.allclose(trained.detach(), plain, atol=1e-5)
 
 
-SHIPPED = sorted(p.stem for p in (ROOT / "specs").glob("*.attn") if p.stem != "block_sparse_runtime")
+# runtime block masks are not read by the decode kernels, nor is a sink yet (tests/test_sink.py: refused)
+SHIPPED = sorted(p.stem for p in (ROOT / "specs").glob("*.attn") if p.stem not in ("block_sparse_runtime", "sink_window"))
 QUICK = ("causal_bottom_right", "key_padding", "alibi", "paged_decode")
 
 

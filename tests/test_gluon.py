@@ -35,6 +35,7 @@ NOT_TAKEN = {
     "causal_fa1": "loop_order = kv_outer",
     "dilated": "head_dim 32", "odd_head_dim": "dtype fp32",
     "paged_decode": "kv_layout = paged",
+    "sink_window": "a sink",
 }
 TAKEN = sorted(set(SPECS) - set(NOT_TAKEN))
 

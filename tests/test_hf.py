@@ -1,6 +1,6 @@
 """Hugging Face transformers on attngen kernels: attngen.hf.register adds an attn_implementation that
-tiny random Llama and Gemma-2 models run through (causal, GQA, padding, packed sequences, Gemma-2's softcap,
-scaling and sliding window, cached generation, dropout in training).
+tiny random Llama, Gemma-2 and gpt-oss models run through (causal, GQA, padding, packed sequences, Gemma-2's softcap,
+scaling and sliding window, gpt-oss's attention sinks, cached generation, dropout in training).
 
 The rule is the project's (attngen/tools/verify.py): the truth is the same model in float64 with transformers' eager
 attention and masks, its softmax in float64 too (`float64_eager`: transformers' eager attention upcasts only to
@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AutoModelForCausalLM, Gemma2Config, LlamaConfig
+from transformers import AttentionInterface, AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig
 from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -29,11 +29,17 @@ LLAMA = LlamaConfig, dict(hidden_size=64, intermediate_size=128, num_hidden_laye
 GEMMA2 = Gemma2Config, dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, vocab_size=128, max_position_embeddings=64, sliding_window=4, attn_logit_softcapping=1.0,
                             query_pre_attn_scalar=32, initializer_range=0.5)
+# gpt-oss: a learned sink per head in every layer, layer 0 slides (4 tokens), layer 1 is full; a small mixture of experts
+GPT_OSS = GptOssConfig, dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, vocab_size=128, max_position_embeddings=64, sliding_window=4, num_local_experts=4,
+                             num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], initializer_range=0.5,
+                             rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
 B, N = 2, 12
 
 
-def float64_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-    """transformers' eager attention (Gemma-2's, with softcap) with the softmax in the inputs' precision."""
+def float64_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None, **kwargs):
+    """transformers' eager attention (Gemma-2's, with softcap; gpt-oss's, with sinks) with the softmax in the inputs'
+    precision."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
@@ -41,6 +47,9 @@ def float64_eager(module, query, key, value, attention_mask, scaling=None, dropo
         scores = softcap * torch.tanh(scores / softcap)
     if attention_mask is not None:
         scores = scores + attention_mask
+    if s_aux is not None:  # gpt-oss: one more logit per row, with no value
+        sinks = s_aux.to(scores).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        return (torch.cat([scores, sinks], -1).softmax(-1)[..., :-1] @ value).transpose(1, 2).contiguous(), None
     return (scores.softmax(-1) @ value).transpose(1, 2).contiguous(), None
 
 
@@ -54,11 +63,13 @@ def attention(target):
 def _models(family, device, **changes):
     """(attngen float32, eager float32, float64 truth), one set of random weights."""
     cls, settings = family
+    # gpt-oss's experts as a loop of matrix products (its grouped kernel takes no float64)
+    experts = {"experts_implementation": "eager"} if cls is GptOssConfig else {}
     torch.manual_seed(0)
-    eager = AutoModelForCausalLM.from_config(cls(**{**settings, **changes}), attn_implementation="eager").to(device)
-    ours = AutoModelForCausalLM.from_config(cls(**{**settings, **changes}), attn_implementation=NAME).to(device)
+    eager = AutoModelForCausalLM.from_config(cls(**{**settings, **changes}), attn_implementation="eager", **experts).to(device)
+    ours = AutoModelForCausalLM.from_config(cls(**{**settings, **changes}), attn_implementation=NAME, **experts).to(device)
     ours.load_state_dict(eager.state_dict())
-    truth = AutoModelForCausalLM.from_config(cls(**{**settings, **changes}), attn_implementation=FLOAT64).to(device, torch.float64)
+    truth = AutoModelForCausalLM.from_config(cls(**{**settings, **changes}), attn_implementation=FLOAT64, **experts).to(device, torch.float64)
     truth.load_state_dict(eager.state_dict())
     return ours, eager, truth
 
@@ -143,7 +154,25 @@ def test_gemma2_softcap_scaling_and_sliding_window(attention, device, layout):
                 assert gap > 100 * bound, change
 
 
-@pytest.mark.parametrize("family", [LLAMA, GEMMA2], ids=["llama", "gemma2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpt_oss_sinks_and_sliding_window(attention, device, layout):
+    """gpt-oss: every layer's learned sinks (s_aux, one per head) as the spec's sink, their gradients through the
+    kernel, a sliding layer and a full one. The sinks matter: the float64 model without them is far from the budget."""
+    bound = _check_model(GPT_OSS, device, layout)
+    padding = layout == "padded"  # (restarting position_ids: gpt-oss's model builds no packed-sequence mask, eager neither)
+    assert {(4, padding), (None, padding)} <= {(c.window, c.padding) for c in attention.kernels if c.sinks}
+    if layout == "unpadded":
+        ids = _batch(device, layout)[0]
+        truth = _models(GPT_OSS, device)[2]
+        with torch.no_grad():
+            true_logits = truth(ids).logits
+            for module in truth.modules():
+                if hasattr(module, "sinks"):
+                    module.sinks.fill_(float("-inf"))  # exp(-inf) = 0: no sink
+            assert (truth(ids).logits - true_logits).abs().max().item() > 100 * bound
+
+
+@pytest.mark.parametrize("family", [LLAMA, GEMMA2, GPT_OSS], ids=["llama", "gemma2", "gpt_oss"])
 def test_cached_generation_matches_eager(attention, device, family):
     """Greedy generation from a left-padded batch: the decoding steps run one query against the cache (queries
     aligned to the last key; Gemma-2's sliding layers keep only the last tokens, so their keys start past 0)."""
@@ -192,7 +221,7 @@ def _call(attention, mask=None, device="cpu", head_dim=16, dtype=torch.float32, 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(output_attentions=True), "output_attentions=True is not supported"),
     (dict(position_bias=torch.zeros(1)), "does not support a position bias"),
-    (dict(s_aux=torch.zeros(4)), r"does not support attention sinks \(s_aux\)"),
+    (dict(s_aux=torch.zeros(3)), r"attention sinks \(s_aux\) as one value per query head, \(4,\); this layer passes \(3,\)"),
     (dict(mask=torch.zeros(1, 1, 5, 5)), r"this layer got a Tensor of shape \(1, 1, 5, 5\)"),
     (dict(module_causal=False), r"this layer is not causal"),
     (dict(is_causal=False), r"this layer is not causal"),

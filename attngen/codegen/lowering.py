@@ -63,6 +63,28 @@ def lower_for_kernel(plan: KernelPlan, inner_vars: frozenset[str], want_dscore: 
     return KernelCode(lowered.outer, lowered.inner, mask, score, dscore, read_grads)
 
 
+@dataclass(frozen=True)
+class SinkCode:
+    """The sink lowered for a forward kernel: statements to run once per program, then the expression, one value
+    per query row (row_var holds the rows' q_idx) or one for the program."""
+
+    stmts: list[str]
+    code: str
+
+
+def lower_sink(plan: KernelPlan, row_var: str, helpers: set[str]) -> SinkCode | None:
+    """The spec's sink (natural-log units) as code of b, h, the rows' positions `row_var`, the lengths and the
+    declared inputs; None for a spec without one."""
+    if plan.spec.sink is None:
+        return None
+    scope = ex.Scope("sink", ex.SINK_VARS, plan.spec.inputs_by_name)
+    names = {v: v for v in ex.SINK_VARS} | {"q_idx": row_var}
+    lowerer = Lowerer(scope, names, frozenset(), prefix="sink_")  # its temporaries apart from the score's
+    code = lowerer.lower(plan.spec.sink, want=Type.FLOAT)
+    helpers |= lowerer.helpers
+    return SinkCode(lowerer.outer + lowerer.inner, code)
+
+
 def converts_positions(plan: KernelPlan) -> bool:
     """Whether code lowered with positions_leafwise (the Gluon backward's) converts sums of positions to float leaf
     by leaf, exact for lengths of at most expr.FLOAT_POSITIONS only: longer calls take the Triton backward then.

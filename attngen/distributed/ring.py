@@ -96,6 +96,8 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     spec = kern.spec
     if spec.sparsity == "runtime":
         raise InputError(f"context_parallel does not support runtime block sparsity yet (the spec {spec.name!r} has sparsity = runtime)")
+    if spec.sink is not None:  # each shard's partial softmax would count it: it must join the merged rows once
+        raise InputError(f"context_parallel does not take a sink yet (the spec {spec.name!r} has one)")
     if spec.kv_layout is KVLayout.PAGED:
         raise InputError(f"context_parallel splits training-style attention; the spec {spec.name!r} has kv_layout = paged")
     if spec.dtype is DType.FP8:

@@ -14,6 +14,8 @@ def format_spec(spec: Spec) -> str:
         lines.append(f"    mask = {format_expr(spec.mask)}")
     if spec.score is not None:
         lines.append(f"    score = {format_expr(spec.score)}")
+    if spec.sink is not None:  # printed only when set, so the hashes of existing specs stay what they were
+        lines.append(f"    sink = {format_expr(spec.sink)}")
     if spec.dropout:
         lines.append(f"    dropout = {spec.dropout!r}")
     if spec.sparsity is not None:

@@ -21,6 +21,7 @@ SETTINGS = (
     "scale",
     "mask",
     "score",
+    "sink",
     "dropout",
     "sparsity",
     "sparse_block",
@@ -170,7 +171,8 @@ def _expression(s: Setting, scope: ex.Scope, want: Type) -> Expr:
     if want is Type.BOOL and t is not Type.BOOL:
         raise SpecError(f"{s.key} must be a boolean expression (e.g. q_idx >= kv_idx), got {t.value}", s.value.span)
     if want is Type.FLOAT and t is Type.BOOL:
-        raise SpecError(f"{s.key} must be a number expression of `score`, got bool", s.value.span)
+        what = "of `score`" if s.key == "score" else f"of {', '.join(sorted(scope.variables))} and the declared inputs"
+        raise SpecError(f"{s.key} must be a number expression {what}, got bool", s.value.span)
     return fold(s.value, scope)
 
 
@@ -266,6 +268,14 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
         if ex.typeof(score, scope) is Type.INT:
             raise SpecError("score must be a float expression; an integer score makes every key equal or unrelated to q.k", seen["score"].value.span)
         values["score"] = None if score == Var("score") else score
+    if "sink" in seen:  # one logit per query row: it may read b, h, q_idx, the lengths and inputs, not a key or a score
+        values["sink"] = _expression(seen["sink"], ex.Scope("sink", ex.SINK_VARS, inputs), Type.FLOAT)
+        for key, bad, why in (("loop_order", values.get("loop_order") is LoopOrder.KV_OUTER, "the kv_outer forward has none"),
+                              ("dtype", values.get("dtype") is DType.FP8, "the FP8 kernels have none"),
+                              ("kv_layout", values.get("kv_layout") is KVLayout.PAGED, "the decode kernels over a paged cache have none"),
+                              ("kv_dtype", values.get("kv_dtype") is DType.FP8, "the decode kernels over an FP8 cache have none")):
+            if bad:
+                raise SpecError(f"a sink cannot go with {key} = {_word(seen[key])} yet ({why})", seen["sink"].key_span)
     if "sparsity" in seen:
         s = seen["sparsity"]
         w = _word(s)

@@ -20,6 +20,7 @@ INDEX_VARS = ("b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
 MASK_VARS = frozenset(INDEX_VARS)
 SCORE_VARS = frozenset(INDEX_VARS + ("score",))
 SPARSITY_VARS = frozenset(("b", "h", "q_len", "kv_len", "q_blk", "kv_blk"))
+SINK_VARS = frozenset(("b", "h", "q_idx", "q_len", "kv_len"))  # a sink is one logit per query row: no key, no score
 VAR_TYPES = {name: Type.INT for name in INDEX_VARS + ("q_blk", "kv_blk")} | {"score": Type.FLOAT}
 
 # name -> (min args, max args or None for "any")

@@ -149,6 +149,9 @@ class Spec:
     scale: float | None = None  # None: 1/sqrt(head_dim)
     mask: Expr | None = None  # None: keep every pair
     score: Expr | None = None  # None: the scaled q.k unchanged
+    # one more logit in each query row's softmax, with no value (gpt-oss's learnable sinks), natural-log units like
+    # score; an expression of b, h, q_idx, the lengths and declared inputs. None: no sink
+    sink: Expr | None = None
     dropout: float = 0.0
     sparsity: Expr | str | None = None  # None | "runtime" | boolean expression of q_blk, kv_blk
     sparse_block: int = 128

@@ -1,45 +1,84 @@
-"""The gradients of a spec's declared float inputs (a bias the score reads): the dQ kernel writes each read's
-terms, reduced here per input element in a fixed order (deterministic)."""
+"""The gradients of a spec's declared float inputs: those the score reads (a bias), whose terms the dQ kernel
+writes, and those a sink reads, from each row's gradient of its sink; reduced here per input element in a fixed
+order (deterministic)."""
 from __future__ import annotations
 
 import torch
 
-from ..lang.expr import SCORE_VARS, Scope
+from ..lang.algebra import read_derivative
+from ..lang.expr import SCORE_VARS, SINK_VARS, Scope, input_reads
 from ..lang.spec import Index, Spec, Var
 from .checks import Dims
 from .evaluate import evaluate
 
 _AXES = ("b", "h", "q_idx", "kv_idx")  # the axes of a direct read's term buffer (B, H, Nq, Nk)
+LOG2E = 1.4426950408889634
 
 
-def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], reads, terms) -> dict[str, torch.Tensor]:
-    """Each float input's gradient from the dQ kernel's terms, in a fixed order (deterministic). An input with
-    no differentiable read in the score (read only by the mask, or not at all) gets zeros: the mask is
-    piecewise constant."""
+def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], reads, terms,
+                       sink_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Each float input's gradient from the dQ kernel's terms (the score's reads) and, for a spec with a sink,
+    from sink_rows (B, H, Nq): d loss / d sink of each query row, times d sink / d read there. Reduced in a fixed
+    order (deterministic). An input with no differentiable read (read only by the mask, or not at all) gets
+    zeros: the mask is piecewise constant."""
     grads = {name: torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.device.type == "cpu" else torch.float32)
              for name, t in inputs.items() if t.is_floating_point()}
     scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
     index_inputs = {name: t.detach() for name, t in inputs.items() if not t.is_floating_point()}
     for g, term in zip(reads, terms):
-        x = inputs[g.read.input]
-        grad = grads[g.read.input]
         if g.kind == "direct":  # sum the term over the axes the read does not use, then place it
-            _add_direct(g.read, term, grad)
+            _add_direct(g.read, term, grads[g.read.input])
             continue
         if g.kind == "uniform":  # one element per (b, h): the rows' sums
             term = term.sum(2)
-        # uniform and scatter: evaluate the read's indices at every (b, h[, q_idx, kv_idx]) of the term
-        env = {name: torch.arange(n, device=term.device).view([n if a == axis else 1 for a in range(term.dim())])
-               for axis, (name, n) in enumerate(zip(_AXES, term.shape))}
-        env |= {"q_len": dims.q_len, "kv_len": dims.kv_len}
-        valid = torch.ones(term.shape, dtype=torch.bool, device=term.device)
-        flat = torch.zeros(term.shape, dtype=torch.long, device=term.device)
-        for i, size in zip(g.read.indices, x.shape):
-            i = torch.as_tensor(evaluate(i, env, index_inputs, scope, torch.float64), device=term.device).long().broadcast_to(term.shape)
-            valid &= (i >= 0) & (i < size)  # reads outside the input gave 0: no gradient
-            flat = flat * size + i.clamp(0, size - 1)
-        grad += _sum_by_element(flat[valid], term[valid], x.numel()).view(x.shape).to(grad)
+        _scatter(g.read, term, grads[g.read.input], inputs[g.read.input].shape, dims, index_inputs, scope)
+    if sink_rows is not None:
+        sink_scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
+        values = {name: t.detach() for name, t in inputs.items()}
+        env = _axes_env(sink_rows, dims)
+        for read in input_reads(spec.sink):
+            if not inputs[read.input].is_floating_point():
+                continue
+            slope = evaluate(read_derivative(spec.sink, sink_scope, read), env, values, sink_scope, torch.float64)
+            term = sink_rows.double() * torch.as_tensor(slope, device=sink_rows.device).double()
+            _scatter(read, term.broadcast_to(sink_rows.shape), grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
     return {name: g.to(inputs[name].dtype) for name, g in grads.items()}
+
+
+def sink_row_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                   dlse: torch.Tensor | None) -> torch.Tensor:
+    """d loss / d sink of each query row, (B, H, Nq) float32, from the forward's O and lse (log2 units) and the
+    gradients dO and dlse (log2 units, or None) reaching them: with p_sink = exp(sink - lse) the sink's share of the
+    row's softmax, O's rows shrink by it (d O / d sink = -p_sink O) and the lse grows (d lse / d sink = p_sink), so
+    p_sink * (d loss / d lse - rowsum(dO * O)), with the lse in natural-log units."""
+    rows = lse[..., None]  # (B, H, Nq, 1): b, h, q_idx of each row
+    env = {name: torch.arange(n, device=lse.device).view([n if a == axis else 1 for a in range(4)])
+           for axis, (name, n) in enumerate(zip(("b", "h", "q_idx"), lse.shape))} | {"q_len": dims.q_len, "kv_len": dims.kv_len}
+    sink = torch.as_tensor(evaluate(spec.sink, env, {n: t.detach() for n, t in inputs.items()}, Scope("sink", SINK_VARS, spec.inputs_by_name),
+                                    torch.float32), device=lse.device).float().broadcast_to(rows.shape)[..., 0]
+    p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp2(sink * LOG2E - lse))
+    delta = (do.float() * o.float()).sum(-1)
+    return p_sink * ((0.0 if dlse is None else dlse.float() * LOG2E) - delta)
+
+
+def _axes_env(term: torch.Tensor, dims: Dims) -> dict:
+    """b, h[, q_idx, kv_idx] as index tensors broadcasting over a term of shape (B, H[, Nq, Nk]), and the lengths."""
+    env = {name: torch.arange(n, device=term.device).view([n if a == axis else 1 for a in range(term.dim())])
+           for axis, (name, n) in enumerate(zip(_AXES, term.shape))}
+    return env | {"q_len": dims.q_len, "kv_len": dims.kv_len}
+
+
+def _scatter(read: Index, term: torch.Tensor, grad: torch.Tensor, shape, dims: Dims, inputs: dict, scope: Scope) -> None:
+    """grad[read's indices at each element of the term] += that element: the indices evaluated at every (b, h[,
+    q_idx, kv_idx]) of the term; a read outside the input was 0 there, so it gets no gradient."""
+    env = _axes_env(term, dims)
+    valid = torch.ones(term.shape, dtype=torch.bool, device=term.device)
+    flat = torch.zeros(term.shape, dtype=torch.long, device=term.device)
+    for i, size in zip(read.indices, shape):
+        i = torch.as_tensor(evaluate(i, env, inputs, scope, torch.float64), device=term.device).long().broadcast_to(term.shape)
+        valid &= (i >= 0) & (i < size)
+        flat = flat * size + i.clamp(0, size - 1)
+    grad += _sum_by_element(flat[valid], term[valid], grad.numel()).view(shape).to(grad)
 
 
 def _add_direct(read: Index, term: torch.Tensor, grad: torch.Tensor) -> None:

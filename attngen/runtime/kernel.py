@@ -26,7 +26,7 @@ from .autograd import AttentionFunction, Ops
 from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .fp8 import dequantize, fp8_call
-from .input_grads import reduce_input_grads
+from .input_grads import reduce_input_grads, sink_row_grads
 from .layout import empty_like_layout
 from .loader import check_device, interpreted_if_cpu, is_sm90
 from .packed import check_packed, check_packed_features
@@ -122,7 +122,8 @@ class Kernel:
         if varlen is not None:
             check_packed_features(self.spec, tensors, grad)
         # few queries, nothing to differentiate: the decode kernels (serving.py)
-        decodes = not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len)
+        decodes = (not grad and varlen is None and not p and block_mask is None and self.spec.sink is None
+                   and takes_plain_call(dims.q_len, dims.kv_len))
         if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
             o, lse2 = self._ops().varlen_forward(*packed, tensors, *varlen, p, seed_t)
             return (o, lse2 * LN2) if return_lse else o
@@ -210,7 +211,9 @@ class Kernel:
                                               extra)  # with input_grads: the terms too
         if not input_grads:
             return dq, dk, dv, [t.new_empty(0) for t in floats]
-        grads = reduce_input_grads(self.spec, dims, dict(zip((d.name for d in self.spec.inputs), inputs)), reads, terms[0] if terms else [])
+        named = dict(zip((d.name for d in self.spec.inputs), inputs))
+        sink_rows = sink_row_grads(self.spec, dims, named, o, do, lse, dlse) if self.spec.sink is not None else None
+        grads = reduce_input_grads(self.spec, dims, named, reads, terms[0] if terms else [], sink_rows)
         return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
 
     def _triton_forward(self, dims: Dims, extra: dict, q, k, v, inputs):

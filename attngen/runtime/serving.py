@@ -28,6 +28,9 @@ def serving_call(kernel, q, k, v, inputs: dict, kv_lens, q_lens, block_table, dr
                              "@torch.compiler.disable")
     if packed:
         raise InputError("kv_lens, q_lens and block_table do not go with packed sequences (cu_seqlens)")
+    if spec.sink is not None:
+        raise InputError(f"the decode kernels have no sink yet; {spec.name!r} has one, so kv_lens, q_lens and block_table cannot go with it "
+                         f"(call it with whole sequences, or packed ones: cu_seqlens_q/cu_seqlens_k)")
     if spec.sparsity == "runtime" or block_mask is not None:
         raise InputError(f"the decode kernels read no block mask; {spec.name!r} has sparsity = runtime, which kv_lens, q_lens and "
                          f"paged caches do not support yet")

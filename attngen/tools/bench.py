@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..cache import write_atomic
-from ..lang.expr import SCORE_VARS, Scope, variables
+from ..lang.expr import SCORE_VARS, SINK_VARS, Scope, variables
 from ..lang.spec import Binary, DType, Spec, Var
 from ..plan.planner import effective_mask
 from ..plan.tune import describe, entries_at
@@ -119,9 +119,23 @@ def flex_mods(spec: Spec, inputs: dict, q_len: int, kv_len: int):
     return (mask_mod if mask is not None else None), (score_mod if spec.score is not None else None)
 
 
+def sink_rows(spec: Spec, inputs: dict, batch: int, heads: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """The spec's sink at every query row, (batch, heads, q_len) float32, on `device`."""
+    env = {"b": torch.arange(batch, device=device).view(batch, 1, 1), "h": torch.arange(heads, device=device).view(1, heads, 1),
+           "q_idx": torch.arange(q_len, device=device).view(1, 1, q_len), "q_len": q_len, "kv_len": kv_len}
+    value = evaluate(spec.sink, env, inputs, Scope("sink", SINK_VARS, spec.inputs_by_name), torch.float32)
+    return torch.as_tensor(value, device=device).float().broadcast_to(batch, heads, q_len).contiguous()
+
+
+def with_sink(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """An attention output without a sink, and its row log-sum-exp (natural log), turned into the output with one:
+    the sink joins each row's denominator, so O shrinks by exp(lse - logaddexp(lse, sink))."""
+    return o * torch.exp(lse - torch.logaddexp(lse, sinks))[..., None].to(o.dtype)
+
+
 def sdpa_variant(spec: Spec) -> bool | None:
     """is_causal for torch SDPA if it computes the spec (no mask: False, causal: True), else None."""
-    if spec.score is not None or spec.inputs or spec.dropout or spec.sparsity is not None:
+    if spec.score is not None or spec.sink is not None or spec.inputs or spec.dropout or spec.sparsity is not None:
         return None
     if spec.mask is None:
         return False
@@ -233,7 +247,11 @@ def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: in
                 uses = variables(effective_mask(spec))
                 bm = create_block_mask(mask_mod, batch if "b" in uses else None, heads if "h" in uses else None, seq, seq,
                                        device="cuda", _compile=True)
-            fns["flex"] = lambda q, k, v: flex()(q, k, v, score_mod=score_mod, block_mask=bm)
+            if spec.sink is None:
+                fns["flex"] = lambda q, k, v: flex()(q, k, v, score_mod=score_mod, block_mask=bm)
+            else:  # Flex has no sink: applied outside, from its row log-sum-exp
+                sinks = sink_rows(spec, inputs, batch, heads, seq, seq, "cuda")
+                fns["flex"] = lambda q, k, v: with_sink(*flex()(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True), sinks)
         except Exception as exc:  # reported in the table like a provider that fails its check
             failed["flex"] = {"error": f"create_block_mask: {type(exc).__name__}: {exc}"[:300]}
     causal = sdpa_variant(spec)

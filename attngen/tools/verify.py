@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..lang.expr import SCORE_VARS, Scope
-from ..lang.spec import DType, KVLayout
+from ..lang.algebra import read_derivative
+from ..lang.expr import SCORE_VARS, SINK_VARS, Scope, input_reads
+from ..lang.spec import Const, DType, KVLayout, Type
 from ..runtime.dtypes import TORCH_DTYPES
 from ..runtime.evaluate import evaluate
 from ..runtime.samples import make_inputs
@@ -72,8 +73,8 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
     v = torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=dtype)
     do = torch.randn(B, Hq, Nq, D, generator=gen).to(device=device, dtype=dtype)
     inputs = make_inputs(spec, B, Hq, Nq, Nk, device, gen)
-    # float inputs the backward differentiates (read in the score) are checked like q, k and v
-    grad_inputs = sorted({g.read.input for g in kernel.plan.read_grads}) if backward else []
+    # float inputs the backward differentiates (read in the score or by the sink) are checked like q, k and v
+    grad_inputs = sorted({g.read.input for g in kernel.plan.read_grads} | set(_sink_reads(spec))) if backward else []
     for name in grad_inputs:
         inputs[name].requires_grad_()
     leaves = [t.requires_grad_(backward) for t in (q, k, v)] + [inputs[name] for name in grad_inputs]
@@ -108,6 +109,10 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
         read_terms = _read_terms(kernel, *(t.detach() for t in wide[1:3]), do.double(), reads)
         via_delta = _error_through_delta(kernel, *(t.detach() for t in wide[:3]), do.double(), out.detach().double() - ref.detach(),
                                          wide_inputs, reads)
+        for name, (term, bound) in _sink_bounds(spec, ref.detach(), ref_lse.to(ref.device), do.double(), out.detach().double() - ref.detach(),
+                                                wide_inputs).items():
+            read_terms[name] = max(read_terms.get(name, 0.0), term)
+            via_delta[f"d{name}"] = via_delta.get(f"d{name}", 0.0) + bound
         names = ["dq", "dk", "dv"] + [f"d{name}" for name in grad_inputs]
         for name, g, rg, ng in zip(names, grads, ref_grads, naive_grads):
             res.nan |= bool(torch.isnan(g).any())
@@ -253,6 +258,48 @@ def _error_through_delta(kernel, q, k, v, do, out_err, inputs: dict, reads) -> d
         (bound,) = torch.autograd.grad((weight * gathered).sum(), probe)
         name = f"d{g.read.input}"
         out[name] = out.get(name, 0.0) + bound.max().item()
+    return out
+
+
+def _sink_reads(spec) -> dict[str, list]:
+    """The float inputs a sink reads, each with its reads (Index nodes) that d sink / d read does not make 0."""
+    out: dict[str, list] = {}
+    if spec.sink is None:
+        return out
+    scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
+    for read in input_reads(spec.sink):
+        if spec.inputs_by_name[read.input].type is Type.FLOAT and read_derivative(spec.sink, scope, read) != Const(0.0, Type.FLOAT):
+            out.setdefault(read.input, []).append(read)
+    return out
+
+
+def _sink_bounds(spec, ref, ref_lse, do, out_err, inputs: dict) -> dict[str, tuple[float, float]]:
+    """Per float input the sink reads: (the largest term its gradient sums, what the forward's own error adds).
+    A row's gradient of its sink is p_sink * (d loss / d lse - delta), delta = rowsum(dO * O), each term at most
+    p_sink * sum_d |dO| |O| * |d sink / d read|; the backward forms delta from the forward's O, off by
+    e = sum_d |dO| |O - O*| (as in _error_through_delta), which reaches the input as p_sink * e * |d sink / d read|,
+    summed into the elements as the reference's own gather sums it. float64."""
+    out = {}
+    reads = _sink_reads(spec)
+    if not reads or ref.numel() == 0:
+        return out
+    scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
+    detached = {name: t.detach() for name, t in inputs.items()}
+    env = score_env(ref[..., :1])  # b, h, q_idx of every row, (B, H, Nq, 1)
+    sink = torch.as_tensor(evaluate(spec.sink, env, detached, scope, torch.float64), device=ref.device).broadcast_to(ref_lse[..., None].shape)
+    p_sink = torch.nan_to_num(torch.exp(sink - ref_lse[..., None]))  # (B, H, Nq, 1)
+    row_term = p_sink * (do.abs() * ref.abs()).sum(-1, keepdim=True)
+    row_err = p_sink * (do.abs() * out_err.abs().to(do)).sum(-1, keepdim=True)
+    for name, found in reads.items():
+        term, bound = 0.0, 0.0
+        for read in found:
+            d = torch.as_tensor(evaluate(read_derivative(spec.sink, scope, read), env, detached, scope, torch.float64), device=ref.device).abs()
+            term = max(term, 2 * (row_term * d).max().item())
+            probe = torch.zeros_like(detached[name], dtype=torch.float64, requires_grad=True)
+            gathered = evaluate(read, env, {**detached, name: probe}, scope, torch.float64)
+            (summed,) = torch.autograd.grad((torch.nan_to_num(row_err * d, posinf=0.0) * gathered).sum(), probe)
+            bound += summed.max().item()
+        out[name] = (term, bound)
     return out
 
 

@@ -175,6 +175,8 @@ def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
         why.append("kv_dtype = fp8: FP8 caches are read by the decode kernels, which are the Triton generator's")
     if spec.loop_order is LoopOrder.KV_OUTER:
         why.append("loop_order = kv_outer is a schedule of the Triton generator")
+    if spec.sink is not None:
+        why.append("a sink: its kernels have none yet (the Triton generator's have)")
     fixed = [k for k in ("block_m", "block_n", "num_warps", "num_stages") if getattr(spec, k) is not None or k in spec.tune]
     if fixed:
         why.append(f"{', '.join(fixed)} set: those are the Triton generator's tiles")

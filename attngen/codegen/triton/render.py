@@ -13,7 +13,7 @@ from ...lang.spec import DType, Expr, KVLayout, LoopOrder
 from ...plan.planner import KernelPlan
 from .. import Templates, versions
 from ..expr import HELPERS
-from ..lowering import lower_for_kernel
+from ..lowering import lower_for_kernel, lower_sink
 from ..tiles import lower_tile_class
 
 LOG2E = 1.4426950408889634
@@ -36,6 +36,7 @@ def context(plan: KernelPlan) -> dict:
     dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos)
     dq = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers, want_read_grads=True, global_positions=pos)
     decode = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers)  # h and q_idx: one per row, set once
+    sink = lower_sink(plan, "sink_rows", helpers)
     tile_class = None
     if plan.mask is not None and plan.classify:
         scope = ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name)
@@ -55,6 +56,7 @@ def context(plan: KernelPlan) -> dict:
         "has_mask": plan.mask is not None,
         "classify": plan.classify,
         "has_score": plan.score is not None,
+        "sink": sink,  # the sink's code (SinkCode), or None
         "has_dropout": plan.spec.dropout > 0.0,
         "runtime_sparsity": spec.sparsity == "runtime",
         "guard_rows": plan.may_mask_rows,
@@ -79,7 +81,8 @@ def context(plan: KernelPlan) -> dict:
         # a block pattern leaves holes (empty tiles) inside the range of tiles a row visits: the loops skip them
         "skip_holes": tile_class is not None and isinstance(spec.sparsity, Expr),
         "decode_code": decode,
-        "has_decode": spec.sparsity != "runtime",  # runtime block masks are not read by the decode kernels
+        # runtime block masks are not read by the decode kernels, nor is a sink yet
+        "has_decode": spec.sparsity != "runtime" and spec.sink is None,
         "paged": spec.kv_layout is KVLayout.PAGED,
         "page_size": spec.page_size,
         # whether the tile classes may differ between query heads: then a decode program takes the union over its heads

@@ -1,0 +1,150 @@
+"""Learnable sinks (`sink = EXPR`, gpt-oss's attention): one more logit in each query row's softmax, with no value.
+Checked against the float64 reference like every spec (O, the lse, every gradient, the sink's inputs' included); a
+row that keeps no key gives O = 0 and lse = its sink; the spec's errors, and the calls that take no sink yet."""
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen.codegen.gluon import choose
+from attngen.errors import InputError, PlanError, SpecError
+from attngen.lang.check import load_spec
+from attngen.lang.spec import Backend
+from attngen.plan.planner import plan
+from attngen.tools import bench, verify
+
+ROOT = Path(__file__).parent.parent
+# gpt-oss's layers, shortened: a sink per head, a window (the model's is 128 keys), grouped-query heads in the shapes
+GPT_OSS = """attention gpt_oss {
+    head_dim = 64
+    dtype = DT
+    input sinks: fp32[H]
+    sink = sinks[h]
+    mask = q_idx >= kv_idx and kv_idx > q_idx - 16
+}"""
+# a sink that reads q_idx, beside a bias the score reads: the first three rows keep no key
+ROWS = """attention rows {
+    head_dim = 32
+    dtype = DT
+    input sinks: fp32[H]
+    input bias: fp32[H]
+    sink = sinks[h] - 0.02 * q_idx
+    score = score + bias[h]
+    mask = kv_idx <= q_idx - 3
+}"""
+
+
+@pytest.mark.parametrize("text", [GPT_OSS, pytest.param(ROWS, marks=pytest.mark.slow)], ids=["gpt_oss", "rows_without_keys"])
+def test_a_sink_is_exact_forward_and_backward(text, device, dtypes, target):
+    """The project's rule (attngen/tools/verify.py) on every shape of the matrix: O, the lse, dQ, dK, dV and the
+    gradient of the sinks (and of the score's bias), within the error budget, no NaN."""
+    for dtype in dtypes:
+        kern = attngen.compile(text.replace("DT", dtype), target)
+        results = [verify.check_one(kern, shape, device) for shape in (verify.CPU_SHAPES if device == "cpu" else verify.CUDA_SHAPES)]
+        assert all(r.ok and not r.nan for r in results), verify.format_table(f"{kern.spec.name} {dtype}", results)
+        assert "dsinks" in results[-1].errors
+
+
+def test_a_row_that_keeps_no_key_gives_zero_and_its_sink(target, device):
+    kern = attngen.compile(ROWS.replace("DT", "fp32"), target)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 20, 32, generator=gen).to(device) for _ in range(3))
+    inputs = {"sinks": torch.randn(4, generator=gen).to(device), "bias": torch.randn(4, generator=gen).to(device)}
+    o, lse = kern(q, k, v, return_lse=True, **inputs)
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert torch.equal(o[:, :, :3], torch.zeros_like(o[:, :, :3]))  # rows 0-2: kv_idx <= q_idx - 3 keeps nothing
+    sink = inputs["sinks"][None, :, None] - 0.02 * torch.arange(3, device=device)
+    torch.testing.assert_close(lse[:, :, :3], sink.expand(2, 4, 3), rtol=1e-6, atol=1e-6)
+    ref, ref_lse = attngen.reference(kern.spec, q.double(), k.double(), v.double(), return_lse=True, **inputs)
+    assert (o.double() - ref).abs().max() < 1e-4 and (lse.double() - ref_lse).abs().max() < 1e-4
+
+
+def test_packed_sequences_take_the_sink(target, device):
+    """cu_seqlens: each sequence's rows start their softmax at the sink (q_idx counts inside the sequence); a
+    sequence with no key gives O = 0 and lse = its sink; the gradients of q, k and v through the sink's share."""
+    kern = attngen.compile(ROWS.replace("DT", "fp32").replace("mask = kv_idx <= q_idx - 3", "mask = kv_idx <= q_idx"), target)
+    gen = torch.Generator().manual_seed(1)
+    q_lens, kv_lens = [5, 17, 9], [6, 0, 12]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device) for n in (q_lens, kv_lens))
+    q = torch.randn(sum(q_lens), 4, 32, generator=gen).to(device).requires_grad_()
+    k, v = (torch.randn(sum(kv_lens), 2, 32, generator=gen).to(device).requires_grad_() for _ in range(2))
+    inputs = {"sinks": torch.randn(4, generator=gen).to(device), "bias": torch.randn(4, generator=gen).to(device)}
+    o, lse = kern(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, **inputs)
+    do = torch.randn(o.shape, generator=gen).to(device)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = attngen.reference(kern.spec, *wide, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, **inputs)
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    assert not o.isnan().any() and all(not g.isnan().any() for g in grads)
+    assert (o.double() - ref).abs().max() < 1e-4 and (lse.double() - ref_lse).abs().max() < 1e-4
+    assert all((g.double() - r).abs().max() < 1e-3 for g, r in zip(grads, ref_grads))
+    torch.testing.assert_close(lse[:, 5:22], inputs["sinks"][:, None] - 0.02 * torch.arange(17, device=device), rtol=1e-6, atol=1e-6)
+
+
+def test_a_short_plain_call_runs_the_forward_not_the_decode_kernels(target, device):
+    """Few queries and nothing to differentiate take the decode kernels, which have no sink yet: such a call runs
+    the forward kernel instead, with the sink."""
+    kern = attngen.compile(GPT_OSS.replace("DT", "fp32"), target)
+    assert not hasattr(kern.module, "attention_decode")
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 8, 1, 64, generator=gen).to(device)
+    k, v = (torch.randn(2, 2, 300, 64, generator=gen).to(device) for _ in range(2))
+    sinks = torch.randn(8, generator=gen).to(device)
+    o = kern(q, k, v, sinks=sinks)
+    ref = attngen.reference(kern.spec, q.double(), k.double(), v.double(), sinks=sinks)
+    assert not o.isnan().any() and (o.double() - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("setting, at, message", [
+    ("sink = kv_idx", "kv_idx", "'kv_idx' cannot be used in sink"),
+    ("sink = score * 2.0", "score", "'score' cannot be used in sink"),
+    ("sink = q_idx > 3", "q_idx", "sink must be a number expression of b, h, kv_len, q_idx, q_len and the declared inputs, got bool"),
+    ("loop_order = kv_outer sink = 1.0", "sink", "a sink cannot go with loop_order = kv_outer yet (the kv_outer forward has none)"),
+    ("kv_layout = paged sink = 1.0", "sink", "a sink cannot go with kv_layout = paged yet (the decode kernels over a paged cache have none)"),
+    ("dtype = fp8 sink = 1.0", "sink", "a sink cannot go with dtype = fp8 yet (the FP8 kernels have none)"),
+])
+def test_what_a_sink_may_not_be(setting, at, message):
+    """A SpecError at the offending text (file:line:col), before anything is planned."""
+    text = f"attention s {{ head_dim = 32 mask = true {setting} }}"
+    with pytest.raises(SpecError) as info:
+        load_spec(text, "s.attn")
+    assert str(info.value).startswith(f"s.attn:1:{text.index(setting) + setting.index(at) + 1}: error: {message}"), str(info.value)
+
+
+def test_calls_that_take_no_sink_yet_say_so(target):
+    kern = attngen.compile(GPT_OSS.replace("DT", "fp32"), target)
+    q, k, v = (torch.randn(1, 2, 8, 64) for _ in range(3))
+    with pytest.raises(InputError, match="the decode kernels have no sink yet"):
+        kern(q, k, v, sinks=torch.zeros(2), kv_lens=torch.full((1,), 8, dtype=torch.int32))
+    with pytest.raises(InputError, match="context_parallel does not take a sink yet"):
+        attngen.distributed.context_parallel(kern, q, k, v, sinks=torch.zeros(2))
+
+
+def test_the_gluon_generator_leaves_a_sink_to_the_triton_one():
+    spec = load_spec(GPT_OSS.replace("DT", "bf16"))
+    choice = choose(spec, plan(spec, "h100"))
+    assert (choice.generator, choice.backward) == ("triton", "triton") and "a sink" in choice.reason
+    with pytest.raises(PlanError, match="a sink"):
+        choose(spec, plan(spec, "h100"), Backend.GLUON)
+
+
+def test_flex_with_the_sink_applied_outside_matches_the_reference():
+    """attngen bench's FlexAttention peer for a spec with a sink: Flex's output and row log-sum-exp, the sink
+    joined afterwards (eager FlexAttention runs on CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    spec = load_spec(ROWS.replace("DT", "fp32"))
+    gen = torch.Generator().manual_seed(3)
+    B, H, N = 2, 4, 64
+    q, k, v = (torch.randn(B, H, N, 32, generator=gen) for _ in range(3))
+    inputs = {"sinks": torch.randn(H, generator=gen), "bias": torch.randn(H, generator=gen)}
+    mask_mod, score_mod = bench.flex_mods(spec, inputs, N, N)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=create_block_mask(mask_mod, None, None, N, N, device="cpu"),
+                                  return_lse=True)
+    out = bench.with_sink(out, lse, bench.sink_rows(spec, inputs, B, H, N, N, "cpu"))
+    ref = attngen.reference(spec, q.double(), k.double(), v.double(), **inputs)
+    assert not out.isnan().any() and (out.double() - ref).abs().max() < 1e-4
