@@ -4,7 +4,6 @@ budget of attngen.verify; reruns bit-identical; the masks (causal, window, docum
 dropout) evaluated at positions in the whole sequence. Shapes that cannot be split are refused with a clear error.
 On the GPU, benchmarks/context_parallel.py runs the same comparison over NCCL (BENCHMARKS.md)."""
 import multiprocessing
-import os
 import traceback
 
 import pytest

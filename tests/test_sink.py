@@ -13,6 +13,7 @@ from attngen.errors import InputError, PlanError, SpecError
 from attngen.lang.check import load_spec
 from attngen.lang.spec import Backend
 from attngen.plan.planner import plan
+from attngen.runtime.evaluate import sink_rows
 from attngen.tools import bench, verify
 
 ROOT = Path(__file__).parent.parent
@@ -59,6 +60,26 @@ def test_a_row_that_keeps_no_key_gives_zero_and_its_sink(target, device):
     torch.testing.assert_close(lse[:, :, :3], sink.expand(2, 4, 3), rtol=1e-6, atol=1e-6)
     ref, ref_lse = attngen.reference(kern.spec, q.double(), k.double(), v.double(), return_lse=True, **inputs)
     assert (o.double() - ref).abs().max() < 1e-4 and (lse.double() - ref_lse).abs().max() < 1e-4
+
+
+def test_a_call_with_no_key_gives_zero_and_the_sink(target, device):
+    """kv_len = 0: every row keeps only its sink, so O = 0 and the lse is the sink, and a gradient reaching the lse
+    reaches the sinks (d lse / d sink = 1), as the reference says; none reaches q."""
+    kern = attngen.compile(ROWS.replace("DT", "fp32"), target)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 5, 32, generator=gen).to(device).requires_grad_()
+    k, v = (torch.randn(2, 2, 0, 32, generator=gen).to(device) for _ in range(2))
+    sinks, bias = (torch.randn(4, generator=gen).to(device) for _ in range(2))
+    sinks.requires_grad_()
+    o, lse = kern(q, k, v, return_lse=True, sinks=sinks, bias=bias)
+    weights = torch.randn(lse.shape, generator=gen).to(device)
+    dq, dsinks = torch.autograd.grad((lse * weights).sum() + o.sum(), (q, sinks))
+    wide = sinks.detach().double().requires_grad_()
+    ref, ref_lse = attngen.reference(kern.spec, q.double(), k.double(), v.double(), return_lse=True, sinks=wide, bias=bias.double())
+    (ref_dsinks,) = torch.autograd.grad((ref_lse * weights.double()).sum(), wide)
+    assert not lse.isnan().any() and not dsinks.isnan().any()
+    assert torch.equal(o, torch.zeros_like(o)) and torch.equal(ref, torch.zeros_like(ref)) and torch.equal(dq, torch.zeros_like(dq))
+    assert (lse.double() - ref_lse).abs().max() < 1e-6 and (dsinks.double() - ref_dsinks).abs().max() < 1e-5
 
 
 def test_packed_sequences_take_the_sink(target, device):
@@ -145,6 +166,6 @@ def test_flex_with_the_sink_applied_outside_matches_the_reference():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
         out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=create_block_mask(mask_mod, None, None, N, N, device="cpu"),
                                   return_lse=True)
-    out = bench.with_sink(out, lse, bench.sink_rows(spec, inputs, B, H, N, N, "cpu"))
+    out = bench.with_sink(out, lse, sink_rows(spec, inputs, B, H, N, N, "cpu", torch.float32))
     ref = attngen.reference(spec, q.double(), k.double(), v.double(), **inputs)
     assert not out.isnan().any() and (out.double() - ref).abs().max() < 1e-4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..lang.algebra import FLOAT32_TINY
-from ..lang.expr import Scope, typeof
+from ..lang.expr import SINK_VARS, Scope, typeof
 from ..lang.spec import Binary, Call, Const, Expr, Index, Type, Unary, Var
 
 
@@ -15,6 +15,17 @@ def _tensor(x, fdtype: torch.dtype) -> torch.Tensor:
     if torch.is_tensor(x):
         return x
     return torch.as_tensor(x, dtype=fdtype) if isinstance(x, float) else torch.as_tensor(x)
+
+
+def sink_rows(spec, inputs: dict, batch: int, heads: int, q_len: int, kv_len: int, device, fdtype: torch.dtype,
+              first_batch: int = 0) -> torch.Tensor:
+    """The spec's sink at every query row, (batch, heads, q_len) in `fdtype`; b counts from first_batch (a packed
+    sequence's index). Differentiable with torch autograd through the inputs it reads."""
+    env = {"b": torch.arange(first_batch, first_batch + batch, device=device).view(batch, 1, 1),
+           "h": torch.arange(heads, device=device).view(1, heads, 1), "q_idx": torch.arange(q_len, device=device).view(1, 1, q_len),
+           "q_len": q_len, "kv_len": kv_len}
+    value = evaluate(spec.sink, env, inputs, Scope("sink", SINK_VARS, spec.inputs_by_name), fdtype)
+    return torch.as_tensor(value, device=device).to(fdtype).expand(batch, heads, q_len)
 
 
 def evaluate(e: Expr, env: dict, inputs: dict, scope: Scope, fdtype: torch.dtype):

@@ -9,16 +9,16 @@ from ..lang.algebra import read_derivative
 from ..lang.expr import SCORE_VARS, SINK_VARS, Scope, input_reads
 from ..lang.spec import Index, Spec, Var
 from .checks import Dims
-from .evaluate import evaluate
+from .evaluate import evaluate, sink_rows
 
 _AXES = ("b", "h", "q_idx", "kv_idx")  # the axes of a direct read's term buffer (B, H, Nq, Nk)
 LOG2E = 1.4426950408889634
 
 
 def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], reads, terms,
-                       sink_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                       row_sink_grads: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Each float input's gradient from the dQ kernel's terms (the score's reads) and, for a spec with a sink,
-    from sink_rows (B, H, Nq): d loss / d sink of each query row, times d sink / d read there. Reduced in a fixed
+    from row_sink_grads (B, H, Nq): d loss / d sink of each query row, times d sink / d read there. Reduced in a fixed
     order (deterministic). An input with no differentiable read (read only by the mask, or not at all) gets
     zeros: the mask is piecewise constant."""
     grads = {name: torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.device.type == "cpu" else torch.float32)
@@ -32,16 +32,16 @@ def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], 
         if g.kind == "uniform":  # one element per (b, h): the rows' sums
             term = term.sum(2)
         _scatter(g.read, term, grads[g.read.input], inputs[g.read.input].shape, dims, index_inputs, scope)
-    if sink_rows is not None:
+    if row_sink_grads is not None:
         sink_scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
         values = {name: t.detach() for name, t in inputs.items()}
-        env = _axes_env(sink_rows, dims)
+        env = _axes_env(row_sink_grads, dims)
         for read in input_reads(spec.sink):
             if not inputs[read.input].is_floating_point():
                 continue
             slope = evaluate(read_derivative(spec.sink, sink_scope, read), env, values, sink_scope, torch.float64)
-            term = sink_rows.double() * torch.as_tensor(slope, device=sink_rows.device).double()
-            _scatter(read, term.broadcast_to(sink_rows.shape), grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
+            term = row_sink_grads.double() * torch.as_tensor(slope, device=row_sink_grads.device).double()
+            _scatter(read, term.broadcast_to(row_sink_grads.shape), grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
     return {name: g.to(inputs[name].dtype) for name, g in grads.items()}
 
 
@@ -51,11 +51,7 @@ def sink_row_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], o: t
     gradients dO and dlse (log2 units, or None) reaching them: with p_sink = exp(sink - lse) the sink's share of the
     row's softmax, O's rows shrink by it (d O / d sink = -p_sink O) and the lse grows (d lse / d sink = p_sink), so
     p_sink * (d loss / d lse - rowsum(dO * O)), with the lse in natural-log units."""
-    rows = lse[..., None]  # (B, H, Nq, 1): b, h, q_idx of each row
-    env = {name: torch.arange(n, device=lse.device).view([n if a == axis else 1 for a in range(4)])
-           for axis, (name, n) in enumerate(zip(("b", "h", "q_idx"), lse.shape))} | {"q_len": dims.q_len, "kv_len": dims.kv_len}
-    sink = torch.as_tensor(evaluate(spec.sink, env, {n: t.detach() for n, t in inputs.items()}, Scope("sink", SINK_VARS, spec.inputs_by_name),
-                                    torch.float32), device=lse.device).float().broadcast_to(rows.shape)[..., 0]
+    sink = sink_rows(spec, {n: t.detach() for n, t in inputs.items()}, *lse.shape, dims.kv_len, lse.device, torch.float32)
     p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp2(sink * LOG2E - lse))
     delta = (do.float() * o.float()).sum(-1)
     return p_sink * ((0.0 if dlse is None else dlse.float() * LOG2E) - delta)

@@ -26,7 +26,8 @@ from .autograd import AttentionFunction, Ops
 from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .fp8 import dequantize, fp8_call
-from .input_grads import reduce_input_grads, sink_row_grads
+from .evaluate import sink_rows
+from .input_grads import LOG2E, reduce_input_grads, sink_row_grads
 from .layout import empty_like_layout
 from .loader import check_device, interpreted_if_cpu, is_sm90
 from .packed import check_packed, check_packed_features
@@ -153,9 +154,9 @@ class Kernel:
         check_device(device, self.module)
         dims = dims_of(q, k, varlen)
         out_dtype = torch.bfloat16 if self.spec.dtype is DType.FP8 else q.dtype
-        if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf
+        if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf (the sink's where there is one)
             o = q.new_zeros(q.shape, dtype=out_dtype) if varlen is not None else empty_like_layout(q, dtype=out_dtype).zero_()
-            return o, torch.full(q.shape[:3], float("-inf"), device=device, dtype=torch.float32)
+            return o, self._empty_lse(q, inputs, dims, varlen)
         if descales is not None and device.type == "cpu":
             # Triton 3.6's interpreter rounds float32 to e4m3 wrongly where rounding carries into the exponent (0.4917
             # becomes 0.25): on the CPU an FP8 call runs the float32 kernels on the dequantized inputs (P unrounded),
@@ -178,6 +179,20 @@ class Kernel:
         with interpreted_if_cpu(q.device):
             return self.module.attention_forward(q, k, v, *inputs, **extra, varlen=varlen)
 
+    def _empty_lse(self, q, inputs, dims: Dims, varlen) -> torch.Tensor:
+        """The lse (log2 units) of a call with no work: -inf, or the sink's value where the spec has one and a
+        query row has no key (O = 0 there: the sink takes the whole row)."""
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+        if self.spec.sink is None or lse.numel() == 0:
+            return lse
+        named = dict(zip((d.name for d in self.spec.inputs), inputs))
+        if varlen is None:
+            return sink_rows(self.spec, named, *q.shape[:3], 0, q.device, torch.float32) * LOG2E
+        bounds = varlen[0].tolist()  # packed sequences, all without keys: each sequence's rows, its b
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            lse[:, :, lo:hi] = sink_rows(self.spec, named, 1, q.shape[1], hi - lo, 0, q.device, torch.float32, first_batch=i) * LOG2E
+        return lse
+
     def _backward_impl(self, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, block_mask,
                        input_grads: bool, varlen=None):
         """(dQ, dK, dV, [the gradient of each float input, or an empty tensor unless input_grads]). `dlse` (log2
@@ -186,7 +201,13 @@ class Kernel:
         floats = [t for t in inputs if t.is_floating_point()]
         if dims.empty:
             dq, dk, dv = (torch.zeros_like(t) if varlen is not None else empty_like_layout(t).zero_() for t in (q, k, v))
-            return dq, dk, dv, [torch.zeros_like(t) if input_grads else t.new_empty(0) for t in floats]
+            if not input_grads:
+                return dq, dk, dv, [t.new_empty(0) for t in floats]
+            named = dict(zip((d.name for d in self.spec.inputs), inputs))
+            # rows with no key: the lse is the sink's (O = 0), so only a gradient reaching the lse reaches the sink
+            rows = sink_row_grads(self.spec, dims, named, o, do, lse, dlse) if self.spec.sink is not None and lse.numel() else None
+            grads = reduce_input_grads(self.spec, dims, named, [], [], rows)
+            return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
         device = q.device
         if device.type == "cpu" and self.spec.dtype is DType.BF16:
             dq, dk, dv, grads = self._twin()._backward_impl(*up(q, k, v, o), lse, *up(do), dlse, up(*inputs), dropout_p, seed,

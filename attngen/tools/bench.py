@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from ..cache import write_atomic
-from ..lang.expr import SCORE_VARS, SINK_VARS, Scope, variables
+from ..lang.expr import SCORE_VARS, Scope, variables
 from ..lang.spec import Binary, DType, Spec, Var
 from ..plan.planner import effective_mask
 from ..plan.tune import describe, entries_at
 from ..runtime import blocks
-from ..runtime.evaluate import evaluate
+from ..runtime.evaluate import evaluate, sink_rows
 from .reference import reference
 
 CHECK_TOLERANCE = 3e-2  # max |out - reference| accepted before timing (bf16 outputs of unit-variance inputs)
@@ -117,14 +117,6 @@ def flex_mods(spec: Spec, inputs: dict, q_len: int, kv_len: int):
         return torch.as_tensor(evaluate(spec.score, env(b, h, q_idx, kv_idx) | {"score": score}, inputs, scope, torch.float32)).to(score.dtype)
 
     return (mask_mod if mask is not None else None), (score_mod if spec.score is not None else None)
-
-
-def sink_rows(spec: Spec, inputs: dict, batch: int, heads: int, q_len: int, kv_len: int, device) -> torch.Tensor:
-    """The spec's sink at every query row, (batch, heads, q_len) float32, on `device`."""
-    env = {"b": torch.arange(batch, device=device).view(batch, 1, 1), "h": torch.arange(heads, device=device).view(1, heads, 1),
-           "q_idx": torch.arange(q_len, device=device).view(1, 1, q_len), "q_len": q_len, "kv_len": kv_len}
-    value = evaluate(spec.sink, env, inputs, Scope("sink", SINK_VARS, spec.inputs_by_name), torch.float32)
-    return torch.as_tensor(value, device=device).float().broadcast_to(batch, heads, q_len).contiguous()
 
 
 def with_sink(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -250,7 +242,7 @@ def providers(kernel, seq: int, inputs: dict, extra: dict, batch: int, heads: in
             if spec.sink is None:
                 fns["flex"] = lambda q, k, v: flex()(q, k, v, score_mod=score_mod, block_mask=bm)
             else:  # Flex has no sink: applied outside, from its row log-sum-exp
-                sinks = sink_rows(spec, inputs, batch, heads, seq, seq, "cuda")
+                sinks = sink_rows(spec, inputs, batch, heads, seq, seq, "cuda", torch.float32)
                 fns["flex"] = lambda q, k, v: with_sink(*flex()(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True), sinks)
         except Exception as exc:  # reported in the table like a provider that fails its check
             failed["flex"] = {"error": f"create_block_mask: {type(exc).__name__}: {exc}"[:300]}

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ..lang.expr import SCORE_VARS, SINK_VARS, Scope
+from ..lang.expr import SCORE_VARS, Scope
 from ..plan.planner import effective_mask
 from ..runtime import blocks
 from ..runtime.checks import check_heads, check_input_names
-from ..runtime.evaluate import evaluate
+from ..runtime.evaluate import evaluate, sink_rows
 
 
 def reference(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dtype: torch.dtype | None = None,
@@ -116,8 +116,8 @@ def _packed_reference(spec, q, k, v, cq: list[int], ck: list[int], dtype, return
         qs, ks, vs = (t[lo:hi].transpose(0, 1)[None] for t, lo, hi in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1])))
         if ks.shape[2] == 0:  # no key: O = 0, lse = -inf (the sink where the spec has one)
             outs.append(torch.zeros(qs.shape[2], qs.shape[1], qs.shape[3], dtype=dtype, device=q.device))
-            rows = torch.full((1, qs.shape[1], qs.shape[2], 1), float("-inf"), dtype=dtype, device=q.device)
-            lses.append((_sink(spec, rows, i, inputs, dtype) if spec.sink is not None else rows)[0, :, :, 0])
+            lses.append(sink_rows(spec, inputs, 1, qs.shape[1], qs.shape[2], 0, q.device, dtype, first_batch=i)[0] if spec.sink is not None
+                        else torch.full((qs.shape[1], qs.shape[2]), float("-inf"), dtype=dtype, device=q.device))
             continue
         p, lse = _softmax(spec, qs, ks, dtype, inputs, first_batch=i)
         if dropout_p > 0.0 and qs.shape[2]:
@@ -168,13 +168,6 @@ def score_env(score: torch.Tensor, first_batch: int = 0) -> dict:
     }
 
 
-def _sink(spec, rows: torch.Tensor, first_batch: int, inputs, dtype) -> torch.Tensor:
-    """The spec's sink at every row of `rows` (B, H, Nq, 1): its value in `dtype`, of that shape."""
-    scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
-    env = score_env(rows, first_batch)
-    return torch.as_tensor(evaluate(spec.sink, env, inputs, scope, dtype), device=rows.device).to(dtype).expand(rows.shape)
-
-
 def _softmax(spec, q, k, dtype, inputs, first_batch: int = 0):
     """(P, row log-sum-exp) of the spec's scores and mask, in `dtype`."""
     B, Hq, Nq, D = q.shape
@@ -203,10 +196,10 @@ def _softmax(spec, q, k, dtype, inputs, first_batch: int = 0):
     # softmax with rows that keep nothing giving 0 (and no NaN in value or gradient); a kept score of +inf or NaN
     # makes its row's P, and so its output and log-sum-exp, NaN (as in the kernels: inf - inf). A sink is one more
     # logit of each row, with no value: it joins the maximum and the denominator only.
-    raw_max = score.amax(dim=-1, keepdim=True).detach()
+    raw_max = score.amax(dim=-1, keepdim=True).detach() if Nk else score.new_full((B, Hq, Nq, 1), float("-inf"))  # no key at all
     sink = None
     if spec.sink is not None:
-        sink = _sink(spec, torch.zeros(B, Hq, Nq, 1, dtype=dtype, device=dev), first_batch, inputs, dtype)
+        sink = sink_rows(spec, inputs, B, Hq, Nq, Nk, dev, dtype, first_batch)[..., None]
         raw_max = torch.maximum(raw_max, sink.detach())
     row_max = torch.where(torch.isfinite(raw_max), raw_max, torch.zeros_like(raw_max))
     e = torch.exp(score - row_max)

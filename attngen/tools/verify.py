@@ -23,7 +23,7 @@ from ..lang.algebra import read_derivative
 from ..lang.expr import SCORE_VARS, SINK_VARS, Scope, input_reads
 from ..lang.spec import Const, DType, KVLayout, Type
 from ..runtime.dtypes import TORCH_DTYPES
-from ..runtime.evaluate import evaluate
+from ..runtime.evaluate import evaluate, sink_rows
 from ..runtime.samples import make_inputs
 from .reference import probabilities, reference, score_env
 
@@ -110,7 +110,7 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
         via_delta = _error_through_delta(kernel, *(t.detach() for t in wide[:3]), do.double(), out.detach().double() - ref.detach(),
                                          wide_inputs, reads)
         for name, (term, bound) in _sink_bounds(spec, ref.detach(), ref_lse.to(ref.device), do.double(), out.detach().double() - ref.detach(),
-                                                wide_inputs).items():
+                                                wide_inputs, Nk).items():
             read_terms[name] = max(read_terms.get(name, 0.0), term)
             via_delta[f"d{name}"] = via_delta.get(f"d{name}", 0.0) + bound
         names = ["dq", "dk", "dv"] + [f"d{name}" for name in grad_inputs]
@@ -273,7 +273,7 @@ def _sink_reads(spec) -> dict[str, list]:
     return out
 
 
-def _sink_bounds(spec, ref, ref_lse, do, out_err, inputs: dict) -> dict[str, tuple[float, float]]:
+def _sink_bounds(spec, ref, ref_lse, do, out_err, inputs: dict, kv_len: int) -> dict[str, tuple[float, float]]:
     """Per float input the sink reads: (the largest term its gradient sums, what the forward's own error adds).
     A row's gradient of its sink is p_sink * (d loss / d lse - delta), delta = rowsum(dO * O), each term at most
     p_sink * sum_d |dO| |O| * |d sink / d read|; the backward forms delta from the forward's O, off by
@@ -285,8 +285,8 @@ def _sink_bounds(spec, ref, ref_lse, do, out_err, inputs: dict) -> dict[str, tup
         return out
     scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
     detached = {name: t.detach() for name, t in inputs.items()}
-    env = score_env(ref[..., :1])  # b, h, q_idx of every row, (B, H, Nq, 1)
-    sink = torch.as_tensor(evaluate(spec.sink, env, detached, scope, torch.float64), device=ref.device).broadcast_to(ref_lse[..., None].shape)
+    env = score_env(ref[..., :1]) | {"kv_len": kv_len}  # b, h, q_idx of every row, (B, H, Nq, 1)
+    sink = sink_rows(spec, detached, *ref_lse.shape, kv_len, ref.device, torch.float64)[..., None]
     p_sink = torch.nan_to_num(torch.exp(sink - ref_lse[..., None]))  # (B, H, Nq, 1)
     row_term = p_sink * (do.abs() * ref.abs()).sum(-1, keepdim=True)
     row_err = p_sink * (do.abs() * out_err.abs().to(do)).sum(-1, keepdim=True)
