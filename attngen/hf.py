@@ -179,16 +179,19 @@ class _Config:
     packed: bool
     dropout: float
     sinks: bool = False  # a learned sink per head (gpt-oss's s_aux): input sinks: fp32[H]
+    value_dim: int | None = None  # V's head dimension where it differs from q's and k's (DeepSeek-V3: 192 / 128)
 
     def spec_text(self) -> str:
         name = "_".join(["hf", "causal"] + [part for part, on in (
             (f"window{self.window}", self.window), ("softcap", self.softcap), ("padding", self.padding), ("packed", self.packed),
-            ("dropout", self.dropout), ("sinks", self.sinks)) if on])
+            ("dropout", self.dropout), ("sinks", self.sinks), (f"dv{self.value_dim}", self.value_dim)) if on])
         query = "q_idx" if self.aligned else "(q_idx + kv_len - q_len)"
         mask = [f"{query} >= kv_idx"]
         if self.window is not None:
             mask.append(f"{query} - kv_idx < {self.window}")
         lines = [f"head_dim = {self.head_dim}", f"dtype = {self.dtype}", f"scale = {'auto' if self.scale is None else repr(self.scale)}"]
+        if self.value_dim is not None:
+            lines.insert(1, f"value_dim = {self.value_dim}")
         if self.padding:
             lines.append(f"input {PADDING_INPUT}: bool[B, N]")
             mask.append(f"{PADDING_INPUT}[b, kv_idx]")
@@ -262,12 +265,12 @@ class AttentionFunction:
         return out.transpose(1, 2).contiguous(), None
 
     def _config(self, query, key, value, scaling, window, softcap, padding: bool, packed: bool, dropout: float, sinks: bool) -> _Config:
-        head_dim = query.shape[-1]
-        if value.shape[-1] != head_dim or key.shape[-1] != head_dim:
-            raise UnsupportedAttention(f"attngen runs attention whose queries, keys and values have one head dimension; got "
-                                       f"{head_dim}, {key.shape[-1]} and {value.shape[-1]}")
-        if not 16 <= head_dim <= 256:
-            raise UnsupportedAttention(f"attngen runs head dimensions 16..256; this model's is {head_dim}")
+        head_dim, value_dim = query.shape[-1], value.shape[-1]
+        if key.shape[-1] != head_dim:
+            raise UnsupportedAttention(f"attngen runs attention whose queries and keys have one head dimension; got {head_dim} and {key.shape[-1]}")
+        for what, d in (("head dimensions", head_dim), ("value head dimensions", value_dim)):
+            if not 16 <= d <= 256:
+                raise UnsupportedAttention(f"attngen runs {what} 16..256; this model's is {d}")
         if query.dtype not in SPEC_FLOAT_DTYPES:
             raise UnsupportedAttention(f"attngen runs float32, float16 and bfloat16 attention; this model's is {query.dtype}")
         for what, x in (("scaling", scaling), ("softcap", softcap)):
@@ -276,7 +279,8 @@ class AttentionFunction:
         if window is not None and (not isinstance(window, int) or window < 1):
             raise UnsupportedAttention(f"a sliding window must be a positive number of tokens; this model's is {window!r}")
         return _Config(head_dim, SPEC_FLOAT_DTYPES[query.dtype], None if scaling is None else float(scaling), query.shape[2] == key.shape[2],
-                       window, None if softcap is None else float(softcap), padding, packed, dropout, sinks)
+                       window, None if softcap is None else float(softcap), padding, packed, dropout, sinks,
+                       None if value_dim == head_dim else value_dim)
 
     def _kernel(self, config: _Config) -> Kernel:
         kernel = self.kernels.get(config)

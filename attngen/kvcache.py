@@ -36,9 +36,9 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise InputError(f"{name} must be a 4-D tensor (batch, kv_heads, new tokens, head_dim)")
-    if k_new.shape != v_new.shape:
-        raise InputError(f"k_new and v_new must have the same shape, got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
-    batch, heads, tokens, dim = k_new.shape
+    if k_new.shape[:3] != v_new.shape[:3]:
+        raise InputError(f"k_new and v_new must have the same batch, heads and tokens, got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+    batch, heads, tokens, _ = k_new.shape
     check_lengths("kv_lens", kv_lens, batch, k_new.device)
     if k_cache.dtype == torch.float8_e4m3fn and isinstance(k_cache, torch.Tensor) and k_new.dtype != k_cache.dtype:
         from .fp8 import cache_scales, to_cache
@@ -49,17 +49,18 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
         raise InputError("k_descale and v_descale go with FP8 (e4m3) caches")
     pos = kv_lens.to(torch.int64)[:, None] + torch.arange(tokens, device=kv_lens.device)  # (B, T): where the new tokens go
     if block_table is None:
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for name, cache, dim in (("k_cache", k_cache, k_new.shape[3]), ("v_cache", v_cache, v_new.shape[3])):
             if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[0] != batch or cache.shape[1] != heads or cache.shape[3] != dim:
                 what = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
-                raise InputError(f"{name} must be a contiguous cache (batch {batch}, kv_heads {heads}, capacity, head_dim {dim}), got {what}")
+                raise InputError(f"{name} must be a contiguous cache (batch {batch}, kv_heads {heads}, capacity, {dim} columns), got {what}")
             if cache.dtype != k_new.dtype or cache.device != k_new.device:
                 raise InputError(f"{name} is {cache.dtype} on {cache.device}; k_new is {k_new.dtype} on {k_new.device}")
+        if v_cache.shape[2] != k_cache.shape[2]:
+            raise InputError(f"k_cache and v_cache must hold as many tokens, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
         capacity = k_cache.shape[2]
         check_values(kv_lens, capacity, extra=tokens)
-        index = pos[:, None, :, None].expand(batch, heads, tokens, dim)
-        _bytes(k_cache).scatter_(2, index, _bytes(k_new))
-        _bytes(v_cache).scatter_(2, index, _bytes(v_new))
+        for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+            _bytes(cache).scatter_(2, pos[:, None, :, None].expand(batch, heads, tokens, new.shape[3]), _bytes(new))
     else:
         _append_paged(k_cache, v_cache, k_new, v_new, kv_lens, block_table, pos)
     return kv_lens + tokens
@@ -67,14 +68,14 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_
 
 def _append_paged(k_cache, v_cache, k_new, v_new, kv_lens, block_table, pos) -> None:
     """append's paged case: the caches and table checked, the new tokens written at `pos` through the table."""
-    batch, heads, tokens, dim = k_new.shape
+    batch, heads, tokens, _ = k_new.shape
     check_block_table(block_table, batch, k_new.device)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, cache, new in (("k_cache", k_cache, k_new), ("v_cache", v_cache, v_new)):
         check_paged_cache(name, cache, None, k_new)
-        if cache.shape[2] != heads or cache.shape[3] != dim:
-            raise InputError(f"{name} has {cache.shape[2]} kv_heads of head_dim {cache.shape[3]}; k_new has {heads} of {dim}")
-    if v_cache.shape != k_cache.shape:
-        raise InputError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        if cache.shape[2] != heads or cache.shape[3] != new.shape[3]:
+            raise InputError(f"{name} has {cache.shape[2]} kv_heads of {cache.shape[3]} columns; {name[0]}_new has {heads} of {new.shape[3]}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise InputError(f"k_cache and v_cache must have the same pages, page size and heads, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     page_size = k_cache.shape[1]
     check_values(kv_lens, block_table.shape[1] * page_size, block_table, k_cache.shape[0], page_size, extra=tokens)
     pages = block_table.to(torch.int64).gather(1, pos // page_size)  # (B, T)

@@ -59,7 +59,8 @@ def test_every_shipped_spec_compiles_with_fullgraph_and_matches_the_reference(na
     B, Hq, Hkv, Nq, Nk = verify.CPU_SHAPES[2]
     gen = torch.Generator().manual_seed(0)
     dtype = TORCH_DTYPES[kern.spec.dtype.value]
-    q, k, v = (torch.randn(B, h, n, kern.spec.head_dim, generator=gen).to(device=device, dtype=dtype) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+    q, k, v = (torch.randn(B, h, n, d, generator=gen).to(device=device, dtype=dtype)
+               for h, n, d in ((Hq, Nq, kern.spec.head_dim), (Hkv, Nk, kern.spec.head_dim), (Hkv, Nk, kern.spec.dv)))
     inputs = verify.make_inputs(kern.spec, B, Hq, Nq, Nk, device, gen)
     if kern.spec.kv_layout.value == "paged":  # the keys in pages of a cache, read by the decode op (no gradient)
         k, v, serving = _pages(kern, k, v)
@@ -91,11 +92,11 @@ def _pages(kern, k, v):
     """k, v (B, Hkv, N, D) written into pages of a cache: (k_cache, v_cache, {"block_table", "kv_lens"})."""
     from attngen.kvcache import append
 
-    B, Hkv, N, D = k.shape
+    B, Hkv, N, _ = k.shape
     P = kern.spec.page_size
     per_seq = -(-N // P)
     table = torch.arange(B * per_seq, dtype=torch.int32, device=k.device).view(B, per_seq).flip(0).contiguous()
-    k_cache, v_cache = (torch.zeros(B * per_seq, P, Hkv, D, dtype=k.dtype, device=k.device) for _ in range(2))
+    k_cache, v_cache = (torch.zeros(B * per_seq, P, Hkv, x.shape[3], dtype=k.dtype, device=k.device) for x in (k, v))
     lens = append(k_cache, v_cache, k, v, torch.zeros(B, dtype=torch.int32, device=k.device), table)
     return k_cache, v_cache, {"block_table": table, "kv_lens": lens}
 
@@ -200,8 +201,8 @@ def test_opcheck_passes_for_every_shipped_spec(name, device, target):
     B, Hq, Hkv, Nq, Nk = verify.CPU_SHAPES[2]
     gen = torch.Generator().manual_seed(0)
     dtype = TORCH_DTYPES[spec.dtype.value]
-    q, k, v, do = (torch.randn(B, h, n, spec.head_dim, generator=gen).to(device=device, dtype=dtype)
-                   for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk), (Hq, Nq)))
+    q, k, v, do = (torch.randn(B, h, n, d, generator=gen).to(device=device, dtype=dtype)
+                   for h, n, d in ((Hq, Nq, spec.head_dim), (Hkv, Nk, spec.head_dim), (Hkv, Nk, spec.dv), (Hq, Nq, spec.dv)))
     inputs = verify.make_inputs(spec, B, Hq, Nq, Nk, device, gen)
     block_mask = inputs.pop("block_mask", None)
     tensors = [inputs[d.name] for d in spec.inputs]

@@ -37,9 +37,8 @@ def _tensors(spec, device, lens, q_rows, hq=HQ, hkv=HKV, capacity=CAPACITY, seed
     """q (B, hq, q_rows, D) and a contiguous cache k, v (B, hkv, capacity, D) holding NaN past each sequence's length."""
     gen = torch.Generator().manual_seed(seed)
     dtype = TORCH_DTYPES[spec.dtype.value]
-    d = spec.head_dim
-    q = torch.randn(len(lens), hq, q_rows, d, generator=gen)
-    k, v = (torch.randn(len(lens), hkv, capacity, d, generator=gen) for _ in range(2))
+    q = torch.randn(len(lens), hq, q_rows, spec.head_dim, generator=gen)
+    k, v = (torch.randn(len(lens), hkv, capacity, d, generator=gen) for d in (spec.head_dim, spec.dv))
     for b, n in enumerate(lens):
         k[b, :, n:] = float("nan")
         v[b, :, n:] = float("nan")
@@ -147,8 +146,7 @@ def _paged(k, v, lens, page_size, device, shared_prefix: bool, seed=0):
         table[1, 0] = table[0, 0]
         k, v = k.clone(), v.clone()
         k[1, :, :page_size], v[1, :, :page_size] = k[0, :, :page_size], v[0, :, :page_size]
-    k_cache = torch.full((num_pages, page_size, hkv, d), float("nan"), dtype=k.dtype, device=device)
-    v_cache = k_cache.clone()
+    k_cache, v_cache = (torch.full((num_pages, page_size, hkv, x.shape[3]), float("nan"), dtype=k.dtype, device=device) for x in (k, v))
     zero = torch.zeros(1, dtype=torch.int32, device=device)
     for b, n in enumerate(lens):
         if n and not (shared_prefix and b == 1):

@@ -30,21 +30,23 @@ SPECS = {
     "dense_bf16": f"attention dense_bf16 {{ {_TILES} dtype = bf16 }}",
     # the whole sequence's length, not the shard's: the last 8 rows of the sequence keep no key
     "lengths": f"attention lengths {{ {_TILES} dtype = fp32\n mask = q_idx >= kv_idx and q_idx + 8 < kv_len }}",
+    # DeepSeek's shape, small: V and O narrower than q and k
+    "value_dim": "attention value_dim { head_dim = 32\n value_dim = 16\n block_m = 16\n block_n = 16\n dtype = fp32\n mask = q_idx >= kv_idx }",
     "dropout": "attention dropout { head_dim = 16\n block_m = 16\n block_n = 64\n dtype = fp32\n mask = q_idx >= kv_idx\n dropout = 0.2 }",
 }
 B, HQ, HKV, N = 1, 4, 2, 128
 SEED = 1234
 # (spec, layout): run by every world size below; dropout needs 128-token chunks (world 2, contiguous: 256 tokens)
 CASES = [("causal", "zigzag"), ("causal", "contiguous"), ("window", "zigzag"), ("document", "zigzag"), ("alibi", "contiguous"),
-         ("dense_bf16", "zigzag"), ("lengths", "contiguous")]
+         ("dense_bf16", "zigzag"), ("lengths", "contiguous"), ("value_dim", "zigzag")]
 
 
 def _data(name, n):
     spec = attngen.compile(SPECS[name], "h100").spec
     gen = torch.Generator().manual_seed(0)
     dtype = TORCH_DTYPES[spec.dtype.value]
-    q, do = (torch.randn(B, HQ, n, spec.head_dim, generator=gen).to(dtype) for _ in range(2))
-    k, v = (torch.randn(B, HKV, n, spec.head_dim, generator=gen).to(dtype) for _ in range(2))
+    q, do = (torch.randn(B, HQ, n, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
+    k, v = (torch.randn(B, HKV, n, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
     return q, k, v, do, verify.make_inputs(spec, B, HQ, n, n, "cpu", gen)
 
 

@@ -1,6 +1,7 @@
 """Hugging Face transformers on attngen kernels: attngen.hf.register adds an attn_implementation that
-tiny random Llama, Gemma-2 and gpt-oss models run through (causal, GQA, padding, packed sequences, Gemma-2's softcap,
-scaling and sliding window, gpt-oss's attention sinks, cached generation, dropout in training).
+tiny random Llama, Gemma-2, gpt-oss and DeepSeek-V3 models run through (causal, GQA, padding, packed sequences, Gemma-2's
+softcap, scaling and sliding window, gpt-oss's attention sinks, DeepSeek's value head dimension, cached generation,
+dropout in training).
 
 The rule is the project's (attngen/tools/verify.py): the truth is the same model in float64 with transformers' eager
 attention and masks, its softmax in float64 too (`float64_eager`: transformers' eager attention upcasts only to
@@ -11,7 +12,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig
+from transformers import AttentionInterface, AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, GptOssConfig, LlamaConfig
 from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -34,6 +35,11 @@ GPT_OSS = GptOssConfig, dict(hidden_size=64, intermediate_size=64, num_hidden_la
                              head_dim=16, vocab_size=128, max_position_embeddings=64, sliding_window=4, num_local_experts=4,
                              num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], initializer_range=0.5,
                              rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+# DeepSeek-V3's multi-head latent attention in its training form: q.k over 16 + 8 rotary columns, V of 16 (the
+# spec's value_dim), keys and values expanded from a 32-wide latent; dense MLPs (no expert layer)
+DEEPSEEK = DeepseekV3Config, dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                  q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                  first_k_dense_replace=2, vocab_size=128, max_position_embeddings=64, initializer_range=0.2)
 B, N = 2, 12
 
 
@@ -172,7 +178,15 @@ def test_gpt_oss_sinks_and_sliding_window(attention, device, layout):
             assert (truth(ids).logits - true_logits).abs().max().item() > 100 * bound
 
 
-@pytest.mark.parametrize("family", [LLAMA, GEMMA2, GPT_OSS], ids=["llama", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("layout", LAYOUTS[:2])
+def test_deepseek_v3_value_head_dim(attention, device, layout):
+    """DeepSeek-V3's attention as it trains: queries and keys of 24 columns (16 + 8 rotary), values of 16 (the spec's
+    value_dim), the model's own scaling (1/sqrt(24)); logits and every gradient within the budget."""
+    _check_model(DEEPSEEK, device, layout)
+    assert {(24, 16, layout == "padded")} <= {(c.head_dim, c.value_dim, c.padding) for c in attention.kernels}
+
+
+@pytest.mark.parametrize("family", [LLAMA, GEMMA2, GPT_OSS, DEEPSEEK], ids=["llama", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_cached_generation_matches_eager(attention, device, family):
     """Greedy generation from a left-padded batch: the decoding steps run one query against the cache (queries
     aligned to the last key; Gemma-2's sliding layers keep only the last tokens, so their keys start past 0)."""

@@ -63,14 +63,14 @@ def _check_packed(kern, device, exact_dq=True):
     dtype = TORCH_DTYPES[kern.spec.dtype.value]
     gen = torch.Generator().manual_seed(0)
     cq, ck = _offsets(LENGTHS[0], device), _offsets(LENGTHS[1], device)
-    d = kern.spec.head_dim
-    q, do = (torch.randn(sum(LENGTHS[0]), HQ, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
-    k, v = (torch.randn(sum(LENGTHS[1]), HKV, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    d, dv = kern.spec.head_dim, kern.spec.dv
+    q, do = (torch.randn(sum(LENGTHS[0]), HQ, w, generator=gen).to(device=device, dtype=dtype) for w in (d, dv))
+    k, v = (torch.randn(sum(LENGTHS[1]), HKV, w, generator=gen).to(device=device, dtype=dtype) for w in (d, dv))
     inputs = _inputs(kern, device, gen)
     batched = {d.name: d.dims[0] == "B" for d in kern.spec.inputs}  # indexed by b: sliced to the sequence alone
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = kern(*leaves, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **inputs)
-    assert out.shape == q.shape and lse.shape == (HQ, q.shape[0])
+    assert out.shape == (*q.shape[:2], dv) and lse.shape == (HQ, q.shape[0])
     grads = torch.autograd.grad(out, leaves, do)
     assert not any(torch.isnan(t).any() for t in (out, lse, *grads))
 

@@ -177,7 +177,7 @@ class _Run:
                 kv = transfer.wait()
         for i, c in enumerate(self.mine):  # rows that no key chunk reaches: O = 0, lse = -inf
             if o_acc[i] is None:
-                o_acc[i] = q.new_zeros((*q.shape[:2], c.length, q.shape[3]), dtype=torch.float32)
+                o_acc[i] = q.new_zeros((*q.shape[:2], c.length, v.shape[3]), dtype=torch.float32)
                 lse_acc[i] = torch.full((*q.shape[:2], c.length), float("-inf"), device=q.device, dtype=torch.float32)
         return torch.cat(o_acc, 2).to(q.dtype), torch.cat(lse_acc, 2)
 

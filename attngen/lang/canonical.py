@@ -9,6 +9,8 @@ from .spec import Spec
 
 def format_spec(spec: Spec) -> str:
     lines = [f"attention {spec.name} {{", f"    head_dim = {spec.head_dim}", f"    dtype = {spec.dtype.value}"]
+    if spec.value_dim is not None:  # printed only when set, so the hashes of existing specs stay what they were
+        lines.insert(2, f"    value_dim = {spec.value_dim}")
     lines.append(f"    scale = {'auto' if spec.scale is None else repr(spec.scale)}")
     if spec.mask is not None:
         lines.append(f"    mask = {format_expr(spec.mask)}")

@@ -17,6 +17,7 @@ from .syntax import ParsedSpec, Setting, parse
 
 SETTINGS = (
     "head_dim",
+    "value_dim",
     "dtype",
     "scale",
     "mask",
@@ -207,6 +208,10 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
     if "head_dim" not in seen:
         raise SpecError("head_dim is required (an integer in 16..256), e.g. `head_dim = 128`", parsed.name_span)
     values: dict = {"head_dim": _int_setting(seen["head_dim"], 16, 256)}
+    if "value_dim" in seen:  # V's and O's last dimension where it differs from q's and k's (DeepSeek's 192 / 128)
+        value_dim = _int_setting(seen["value_dim"], 16, 256)
+        if value_dim != values["head_dim"]:
+            values["value_dim"] = value_dim
 
     if "dtype" in seen:
         values["dtype"] = DType(_choice(seen["dtype"], tuple(d.value for d in DType)))
@@ -250,6 +255,10 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
         if values.get("dtype", DType.BF16) not in (DType.BF16, DType.FP16):
             raise SpecError(f"kv_dtype = fp8 (e4m3 key/value caches) goes with dtype = bf16 or fp16 (the queries and the output); "
                             f"got dtype = {values['dtype'].value}", seen["kv_dtype"].key_span)
+    if "value_dim" in values:
+        for key, bad in (("dtype", values.get("dtype") is DType.FP8), ("kv_dtype", values.get("kv_dtype") is DType.FP8)):
+            if bad:
+                raise SpecError(f"value_dim cannot go with {key} = fp8 yet (the FP8 kernels read V as wide as K)", seen["value_dim"].key_span)
     tune = set()
     for key, lo, hi, pow2 in (("block_m", 16, 256, True), ("block_n", 16, 256, True), ("num_warps", 1, 16, True), ("num_stages", 1, 8, False)):
         if key in seen:

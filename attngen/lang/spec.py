@@ -146,6 +146,7 @@ class Spec:
     name: str
     head_dim: int
     dtype: DType = DType.BF16
+    value_dim: int | None = None  # V's and O's last dimension; None: head_dim (see Spec.dv)
     scale: float | None = None  # None: 1/sqrt(head_dim)
     mask: Expr | None = None  # None: keep every pair
     score: Expr | None = None  # None: the scaled q.k unchanged
@@ -181,6 +182,11 @@ class Spec:
     @property
     def inputs_by_name(self) -> dict[str, InputDecl]:
         return {decl.name: decl for decl in self.inputs}
+
+    @property
+    def dv(self) -> int:
+        """The last dimension of V and O: value_dim where the spec sets one, head_dim otherwise."""
+        return self.value_dim or self.head_dim
 
     @property
     def softmax_scale(self) -> float:

@@ -114,6 +114,7 @@ class KernelPlan:
     # query and key in the whole sequence (q_offset, kv_offset) and its lengths (seq_q_len, seq_kv_len), which the
     # expressions see; a shard's kernels (runtime/shard.py), never a plain call's
     global_positions: bool = False
+    value_dim_pad: int = 0  # V's and O's last dimension padded to a power of two (head_dim_pad where they match)
 
     @property
     def dtype(self) -> DType:
@@ -122,6 +123,10 @@ class KernelPlan:
     @property
     def head_dim(self) -> int:
         return self.spec.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.spec.dv
 
     @property
     def loop_order(self) -> LoopOrder:
@@ -165,7 +170,8 @@ class KernelPlan:
         t = self.target
         lines = [
             f"plan for {self.spec.name} on {t.full_name} ({t.name}, sm_{t.arch}, {t.sm_count} SMs)",
-            f"  dtype {self.dtype.value}, head_dim {self.head_dim} (padded to {self.head_dim_pad}), scale {self.scale:.6g}",
+            f"  dtype {self.dtype.value}, head_dim {self.head_dim} (padded to {self.head_dim_pad}), "
+            + (f"value_dim {self.value_dim} (padded to {self.value_dim_pad}), " if self.value_dim != self.head_dim else "") + f"scale {self.scale:.6g}",
             "",
             "derivation:",
         ]
@@ -276,6 +282,10 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     steps.append(Step("on-chip memory per block", f"{smem} bytes / {isz} bytes per {spec.dtype.value}", f"M = {M} elements"))
     if dp != d:
         steps.append(Step("padded head dim", f"next power of two >= {d}", f"d_pad = {dp}"))
+    dv = spec.dv  # V's and O's columns: the value tile, the accumulators of O and dV, and dO are dv_pad wide
+    dvp = max(MIN_TILE, 1 << (dv - 1).bit_length())
+    if dv != d:
+        steps.append(Step("value dim", f"value_dim = {dv}" + (f", next power of two {dvp}" if dvp != dv else ""), f"dv_pad = {dvp}"))
     b_c = math.ceil(M / (4 * d))
     steps.append(Step("paper: key tile", f"B_c = ceil(M / 4d) = ceil({M} / {4 * d})", f"{b_c}"))
     b_r = min(b_c, d)
@@ -317,7 +327,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         warps = spec.num_warps
     # Live in registers per program: acc (BM x d_pad fp32), the score tile (BM x BN fp32) and the query tile.
     while True:
-        live = bm * dp + bm * bn + bm * dp * isz // 4
+        live = bm * dvp + bm * bn + bm * dp * isz // 4
         regs = _regs(live, warps)
         if regs <= REG_BUDGET or (bn == MIN_TILE and bm == MIN_TILE) or spec.block_m or spec.block_n:
             break
@@ -339,7 +349,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         return 1 if spec.dropout > 0.0 and bn < 64 else 0
 
     def smem_use(bm: int, bn: int) -> tuple[int, int]:
-        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0) + bm * bn * keep_bytes(bn), 2 * bn * dp * isz
+        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0) + bm * bn * keep_bytes(bn), bn * (dp + dvp) * isz
 
     q_bytes, stage_bytes = smem_use(bm, bn)
     while (smem - q_bytes) // stage_bytes < 1 and max(bm, bn) > MIN_TILE and not (spec.block_m or spec.block_n):
@@ -368,9 +378,9 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     bwd_warps = 8 if dp >= 64 else 4
     kbn = min(bn if spec.block_n else MAX_TILE, max(MIN_TILE, _pow2_floor(b_c)))
     kbm = 64
-    while _regs(2 * kbn * dp + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbm > MIN_TILE:
+    while _regs(kbn * (dp + dvp) + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbm > MIN_TILE:
         kbm //= 2
-    while _regs(2 * kbn * dp + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbn > MIN_TILE:
+    while _regs(kbn * (dp + dvp) + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbn > MIN_TILE:
         kbn //= 2
     steps.append(Step("backward dK/dV tiles", f"(2*BN*d_pad + 2*BN*BM) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_N={kbn}, BLOCK_M={kbm}"))
     if tgt.arch >= 90 and dp == 128 and spec.dtype is not DType.FP32 and not spec.block_n:
@@ -396,10 +406,10 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     # tiles from 8 warps to 4: the whole backward 1.31x (dense) and 1.33x (causal) faster at N=4096
     dq_warps = 8 if qbm >= 128 or dp >= 256 else 4
     steps.append(Step("backward dQ num_warps", "8 if BLOCK_M >= 128 or d_pad >= 256 else 4", f"{dq_warps}"))
-    resident = 2 * kbn * dp * isz + (2 * kbn * max(kbm, qbn) * 4 if spec.dtype is DType.FP32 else 0)  # fp32: P and dS via smem
+    resident = kbn * (dp + dvp) * isz + (2 * kbn * max(kbm, qbn) * 4 if spec.dtype is DType.FP32 else 0)  # fp32: P and dS via smem
     # dropout: dK/dV transposes its keep tile (as float32 Z) through shared memory; dQ's is cut from a group when small
     resident += max(4 * kbm * kbn, qbm * qbn * keep_bytes(qbn)) if spec.dropout > 0.0 else 0
-    bwd_stage = 2 * kbm * dp * isz
+    bwd_stage = kbm * (dp + dvp) * isz
     bwd_stages = max(1, min(MAX_STAGES, (smem - resident) // bwd_stage))
     steps.append(Step("backward num_stages", f"min({MAX_STAGES}, (smem - K,V{' - P,dS' if spec.dtype is DType.FP32 else ''} {resident}) // (Q+dO stage {bwd_stage}))", f"{bwd_stages}"))
 
@@ -423,7 +433,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     if spec.sparsity is not None:
         dec_bn = min(dec_bn, spec.sparse_block)
     dec_q = 64 * dp * isz
-    dec_stage = 2 * dec_bn * dp * isz + (64 * dec_bn * 4 if spec.dtype is DType.FP32 else 0)
+    dec_stage = dec_bn * (dp + dvp) * isz + (64 * dec_bn * 4 if spec.dtype is DType.FP32 else 0)
     # paged: 3 stages since the block table's entries are read a tile ahead (the kernel's _tile_pages): on the H100
     # (2026-11-26) 0.94-0.98x the time of 2 stages at 8192-32768 keys (B=1) and B=8 at 4096,
     # 1.03-1.05x at B=1 4096; with the entries read in the tile's own step, 3 stages were slower than 2 everywhere
@@ -454,6 +464,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         spec_hash=spec_hash(spec),
         target=tgt,
         head_dim_pad=dp,
+        value_dim_pad=dvp,
         scale=spec.softmax_scale,
         block_m=bm,
         block_n=bn,

@@ -130,7 +130,7 @@ def _setup_varlen_context(ctx, inputs, output) -> None:
 
 
 def _fake_varlen_forward(q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return q.new_empty((*q.shape[:2], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _fake_varlen_backward(q, k, v, o, lse, do, dlse, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed):
@@ -151,11 +151,11 @@ def _optional(saved, has_seed: bool, has_block_mask: bool) -> tuple:
 
 
 def _fake_decode(q, k, v, inputs, kv_lens, q_lens, block_table):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _fake_forward(q, k, v, inputs, dropout_p, seed, block_mask):
-    return empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)  # O laid out as the kernels lay it out
+    return empty_like_layout(q, (*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=torch.float32)  # O laid out as the kernels lay it out
 
 
 def _fake_backward(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, input_grads):

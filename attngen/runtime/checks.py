@@ -103,7 +103,10 @@ def check_all(kernel, q, k, v, inputs: dict, varlen=None, paged_kv: tuple[int, i
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise InputError(f"{name} must be 4-D (batch, heads, tokens, head_dim), got shape {tuple(t.shape)}")
-        if t.shape[-1] != spec.head_dim:
+        if name == "v" and t.shape[-1] != spec.dv:
+            raise InputError(f"v has {t.shape[-1]} columns, the spec says value_dim = {spec.dv}" if spec.value_dim is not None else
+                             f"v has head_dim {t.shape[-1]}, the spec says {spec.head_dim} (a spec with `value_dim = N` takes V of N columns)")
+        if name != "v" and t.shape[-1] != spec.head_dim:
             raise InputError(f"{name} has head_dim {t.shape[-1]}, the spec says {spec.head_dim}")
         setting = spec.kv_dtype if name != "q" and spec.kv_dtype is not None else spec.dtype
         want = TORCH_DTYPES[setting.value]
@@ -113,8 +116,8 @@ def check_all(kernel, q, k, v, inputs: dict, varlen=None, paged_kv: tuple[int, i
         if t.device != q.device:
             raise InputError(f"q, k, v must be on one device; {name} is on {t.device}, q on {q.device}")
     B, Hq, Nq, _ = q.shape
-    if k.shape != v.shape:
-        raise InputError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise InputError(f"k and v must have the same batch, heads and tokens, got {tuple(k.shape)} and {tuple(v.shape)}")
     if paged_kv is not None:
         Hkv, Nk = paged_kv
     elif k.shape[0] != B:

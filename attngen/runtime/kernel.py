@@ -155,7 +155,8 @@ class Kernel:
         dims = dims_of(q, k, varlen)
         out_dtype = torch.bfloat16 if self.spec.dtype is DType.FP8 else q.dtype
         if dims.empty:  # nothing to attend to (or no query, or no sequence): O = 0, lse = -inf (the sink's where there is one)
-            o = q.new_zeros(q.shape, dtype=out_dtype) if varlen is not None else empty_like_layout(q, dtype=out_dtype).zero_()
+            shape = (*q.shape[:3], v.shape[3])
+            o = q.new_zeros(shape, dtype=out_dtype) if varlen is not None else empty_like_layout(q, shape, dtype=out_dtype).zero_()
             return o, self._empty_lse(q, inputs, dims, varlen)
         if descales is not None and device.type == "cpu":
             # Triton 3.6's interpreter rounds float32 to e4m3 wrongly where rounding carries into the exponent (0.4917

@@ -103,7 +103,7 @@ def decode_impl(kernel, q, k, v, inputs, kv_lens, q_lens, block_table, dims: Dim
     kv_scales: an FP8 cache's (k's, v's) descale factors, (B, Hkv) float32 each."""
     check_device(q.device, kernel.module)
     if dims.batch == 0 or dims.q_len == 0 or dims.heads == 0:
-        return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+        return q.new_zeros((*q.shape[:3], v.shape[-1])), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
     if q.device.type == "cpu" and kernel.spec.dtype is DType.BF16:
         o, lse = decode_impl(kernel._twin(), *up(q, k, v), up(*inputs), kv_lens, q_lens, block_table, dims, kv_scales)
         return o.to(torch.bfloat16), lse

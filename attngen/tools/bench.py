@@ -198,7 +198,7 @@ def make_case(spec: Spec, seq: int, tokens: int = 16384, width: int = 2048, seed
     batch, heads = max(1, tokens // seq), max(1, width // d)
     dtype = TORCH_DTYPES[spec.dtype.value]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, do = (torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+    q, k, v, do = (torch.randn(batch, heads, seq, width, device="cuda", dtype=dtype, generator=gen) for width in (d, d, spec.dv, spec.dv))
     for t in (q, k, v):
         t.requires_grad_()
     inputs = verify.make_inputs(spec, batch, heads, seq, seq, "cuda", torch.Generator().manual_seed(seed))
@@ -264,7 +264,7 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
     batch, heads = q.shape[:2]
     block_mask_arg = extra.get("block_mask")
     kept = kept_fraction(spec, inputs, batch, heads, seq, seq, "cuda", block_mask_arg)
-    fwd_flop = 4 * batch * heads * seq * seq * d * kept
+    fwd_flop = 2 * batch * heads * seq * seq * (d + spec.dv) * kept  # q.k over head_dim, P V over value_dim
     small = _slice_inputs(spec, inputs, 2)
     ref_extra = dict(extra)
     if block_mask_arg is not None:
@@ -275,7 +275,7 @@ def bench_spec(kernel, seq: int, tokens: int = 16384, width: int = 2048, seed: i
         return (out[:1, :2].float() - want).abs().max().item()
 
     fns, failed = providers(kernel, seq, inputs, extra, batch, heads, derived, triton, gluon)
-    row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dtype": spec.dtype.value, "kept": kept,
+    row = {"spec": spec.name, "N": seq, "B": batch, "H": heads, "d": d, "dv": spec.dv, "dtype": spec.dtype.value, "kept": kept,
            "generator": kernel.generator.forward_at(seq), "backward": kernel.generator.backward_at(seq)} | failed
     for name, fn in fns.items():
         row[name] = measure(name, fn, q, k, v, do, error_of, fwd_flop)

@@ -89,8 +89,9 @@ def _check_arguments(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, in
         return
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise InputError(f"q, k, v must be 4-D (B, H, N, D); got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise InputError(f"q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) must agree; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or v.shape[3] != spec.dv:
+        raise InputError(f"q (B, Hq, Nq, D), k (B, Hkv, Nk, D) and v (B, Hkv, Nk, {'value_dim' if spec.value_dim else 'D'}) must agree; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     check_heads(q.shape[1], k.shape[1])
 
 
@@ -115,7 +116,7 @@ def _packed_reference(spec, q, k, v, cq: list[int], ck: list[int], dtype, return
     for i in range(len(cq) - 1):
         qs, ks, vs = (t[lo:hi].transpose(0, 1)[None] for t, lo, hi in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1])))
         if ks.shape[2] == 0:  # no key: O = 0, lse = -inf (the sink where the spec has one)
-            outs.append(torch.zeros(qs.shape[2], qs.shape[1], qs.shape[3], dtype=dtype, device=q.device))
+            outs.append(torch.zeros(qs.shape[2], qs.shape[1], vs.shape[3], dtype=dtype, device=q.device))
             lses.append(sink_rows(spec, inputs, 1, qs.shape[1], qs.shape[2], 0, q.device, dtype, first_batch=i)[0] if spec.sink is not None
                         else torch.full((qs.shape[1], qs.shape[2]), float("-inf"), dtype=dtype, device=q.device))
             continue
@@ -126,7 +127,7 @@ def _packed_reference(spec, q, k, v, cq: list[int], ck: list[int], dtype, return
         out = torch.matmul(p, vs.to(dtype).repeat_interleave(group, dim=1))
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
-    out = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=dtype)
+    out = torch.cat(outs) if outs else q.new_zeros((*q.shape[:2], v.shape[2]), dtype=dtype)
     lse = torch.cat(lses, dim=1) if lses else torch.zeros(q.shape[1], 0, dtype=dtype, device=q.device)
     return (out, lse) if return_lse else out
 
@@ -137,7 +138,7 @@ def _serving_reference(spec, q, k, v, kv_lens, q_lens, block_table, dtype, retur
 
         k, v = gather(k, block_table), gather(v, block_table)
     B, Hq, Nq, _ = q.shape
-    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    out = torch.zeros((B, Hq, Nq, v.shape[3]), dtype=dtype, device=q.device)
     lse = torch.full((B, Hq, Nq), float("-inf"), dtype=dtype, device=q.device)
     for b in range(B):
         nq = Nq if q_lens is None else int(q_lens[b])

@@ -66,12 +66,12 @@ def check_one(kernel, shape: tuple, device: str, seed: int = 0, backward: bool =
         return _check_fp8(kernel, shape, device, seed)
     dtype = TORCH_DTYPES[spec.dtype.value]
     B, Hq, Hkv, Nq, Nk = shape
-    D = spec.head_dim
+    D, Dv = spec.head_dim, spec.dv
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, Nq, D, generator=gen).to(device=device, dtype=dtype)
     k = torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=dtype)
-    do = torch.randn(B, Hq, Nq, D, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, Nk, Dv, generator=gen).to(device=device, dtype=dtype)
+    do = torch.randn(B, Hq, Nq, Dv, generator=gen).to(device=device, dtype=dtype)
     inputs = make_inputs(spec, B, Hq, Nq, Nk, device, gen)
     # float inputs the backward differentiates (read in the score or by the sink) are checked like q, k and v
     grad_inputs = sorted({g.read.input for g in kernel.plan.read_grads} | set(_sink_reads(spec))) if backward else []
@@ -133,21 +133,20 @@ def _check_serving(kernel, shape: tuple, device: str, seed: int) -> Result:
     kv8 = spec.kv_dtype is DType.FP8
     cache_dtype = TORCH_DTYPES[(spec.kv_dtype or spec.dtype).value]
     B, Hq, Hkv, Nq, Nk = shape
-    D, P = spec.head_dim, spec.page_size
+    D, Dv, P = spec.head_dim, spec.dv, spec.page_size
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, Nq, D, generator=gen).to(device=device, dtype=dtype)
-    k, v = (torch.randn(B, Hkv, Nk, D, generator=gen).to(device=device, dtype=torch.float32 if kv8 else dtype) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Nk, d, generator=gen).to(device=device, dtype=torch.float32 if kv8 else dtype) for d in (D, Dv))
     lens = torch.randint(0, Nk + 1, (B,), generator=gen, dtype=torch.int32)
     lens[-1] = Nk
     scales = {"k_descale": k.abs().amax((0, 2, 3)).clamp(min=1e-6) / 448, "v_descale": v.abs().amax((0, 2, 3)).clamp(min=1e-6) / 448} if kv8 else {}
     if spec.kv_layout is KVLayout.PAGED:
         per_seq = -(-Nk // P)
         table = {"block_table": torch.randperm(B * per_seq + 1, generator=gen)[:B * per_seq].view(B, per_seq).to(torch.int32).to(device)}
-        k_cache = torch.full((B * per_seq + 1, P, Hkv, D), float("nan"), device=device).to(cache_dtype)
+        k_cache, v_cache = (torch.full((B * per_seq + 1, P, Hkv, d), float("nan"), device=device).to(cache_dtype) for d in (D, Dv))
     else:
         table = {}
-        k_cache = torch.full((B, Hkv, Nk, D), float("nan"), device=device).to(cache_dtype)
-    v_cache = k_cache.clone()
+        k_cache, v_cache = (torch.full((B, Hkv, Nk, d), float("nan"), device=device).to(cache_dtype) for d in (D, Dv))
     lens = lens.to(device)
     # every sequence's Nk keys; those past its length stay unread
     append(k_cache, v_cache, k, v, torch.zeros_like(lens), table.get("block_table"), **scales)

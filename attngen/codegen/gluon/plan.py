@@ -177,6 +177,9 @@ def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
         why.append("loop_order = kv_outer is a schedule of the Triton generator")
     if spec.sink is not None:
         why.append("a sink: its kernels have none yet (the Triton generator's have)")
+    if spec.value_dim is not None:
+        why.append(f"value_dim {spec.value_dim} (head_dim {spec.head_dim}): its kernels take V as wide as K (the Triton generator's "
+                   f"take a value_dim of its own)")
     fixed = [k for k in ("block_m", "block_n", "num_warps", "num_stages") if getattr(spec, k) is not None or k in spec.tune]
     if fixed:
         why.append(f"{', '.join(fixed)} set: those are the Triton generator's tiles")

@@ -68,6 +68,11 @@ def context(plan: KernelPlan) -> dict:
         "q_pos": " + q_offset" if plan.global_positions else "",
         "kv_pos": " + kv_offset" if plan.global_positions else "",
         "pad_d": plan.head_dim_pad != plan.head_dim,
+        # V and O have value_dim columns of their own (offs_dv, VALUE_DIM): the templates say so only then
+        "split_v": plan.value_dim != plan.head_dim,
+        "pad_dv": plan.value_dim_pad != plan.value_dim,
+        "odv": "offs_dv" if plan.value_dim != plan.head_dim else "offs_d",  # the column offsets of V, O, dO and dV tiles
+        "dv_pad": "VALUE_DIM_PAD" if plan.value_dim != plan.head_dim else "HEAD_DIM_PAD",
         "tma": plan.tma,
         "warp_specialize": plan.warp_specialize,
         # float32 specs ask for exact float32 products: Triton's default for fp32 dots is TF32 on the GPU.

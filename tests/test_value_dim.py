@@ -1,0 +1,151 @@
+"""`value_dim = N`: V and O with N columns of their own, q and k with head_dim (DeepSeek's training shape: 192 / 128).
+Checked against the float64 reference like every spec (O, the lse, dQ, dK, dV, no NaN) with each kind of mask, a
+score modification, a sink, dropout, the kv_outer schedule, packed sequences and the decode kernels (contiguous and
+paged caches); the spec's and the call's errors."""
+import dataclasses
+
+import pytest
+import torch
+
+import attngen
+from attngen.codegen.gluon import choose
+from attngen.errors import InputError, SpecError
+from attngen.lang.canonical import spec_hash
+from attngen.lang.check import load_spec
+from attngen.lang.spec import Backend
+from attngen.plan.planner import plan
+from attngen.tools import verify
+
+# q.k over 32 columns, V and O 16 (or 24: padded to 32 in the kernels), in every kind of spec
+MASKS = {
+    "causal": "mask = q_idx >= kv_idx",
+    "window_sink": "input sinks: fp32[H]\n    sink = sinks[h]\n    mask = q_idx >= kv_idx and kv_idx > q_idx - 24",
+    "documents": "input doc: int32[B, N]\n    mask = doc[b, q_idx] == doc[b, kv_idx]",
+    "alibi_dropout": "input slopes: fp32[H]\n    score = score - slopes[h] * abs(q_idx - kv_idx)\n    dropout = 0.1",
+    "kv_outer": "mask = q_idx >= kv_idx\n    loop_order = kv_outer",
+}
+
+
+def _spec(body: str, value_dim: int = 16, dtype: str = "fp32", head_dim: int = 32, extra: str = "") -> str:
+    return f"attention dv {{\n    head_dim = {head_dim}\n    value_dim = {value_dim}\n    dtype = {dtype}\n    {body}\n{extra}}}"
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_a_value_dim_is_exact_forward_and_backward(name, device, dtypes, target):
+    """verify's rule on the shape matrix (on the CPU its first three shapes): O, the lse, dQ, dK, dV (and the
+    gradients of the float inputs the score and the sink read) within the error budget, no NaN."""
+    shapes = verify.CPU_SHAPES[:3] if device == "cpu" else verify.CUDA_SHAPES
+    for dtype in dtypes[:1] if device == "cpu" else dtypes:
+        kern = attngen.compile(_spec(MASKS[name], 24 if name == "documents" else 16, dtype), target)
+        results = [verify.check_one(kern, shape, device, backward=name != "kv_outer" or device == "cuda") for shape in shapes]
+        assert all(r.ok and not r.nan for r in results), verify.format_table(f"{name} {dtype}", results)
+        assert results[-1].errors["out"][0] >= 0 and ("dv" in results[-1].errors or name == "kv_outer")
+
+
+def test_the_output_and_dv_have_value_dim_columns(target, device):
+    kern = attngen.compile(_spec(MASKS["causal"], 48), target)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 40, 32, generator=gen).to(device).requires_grad_() for _ in range(2))
+    v = torch.randn(1, 2, 40, 48, generator=gen).to(device).requires_grad_()
+    o, lse = kern(q, k, v, return_lse=True)
+    assert o.shape == (1, 2, 40, 48) and lse.shape == (1, 2, 40)
+    dq, dk, dv = torch.autograd.grad(o.square().sum(), (q, k, v))
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attngen.reference(kern.spec, *wide)
+    ref_grads = torch.autograd.grad(ref.square().sum(), wide)
+    assert not o.isnan().any() and (o.double() - ref).abs().max() < 1e-4
+    assert all(g.shape == r.shape and (g.double() - r).abs().max() < 1e-3 for g, r in zip((dq, dk, dv), ref_grads))
+
+
+def test_packed_sequences_take_a_value_dim(target, device):
+    kern = attngen.compile(_spec(MASKS["causal"]), target)
+    gen = torch.Generator().manual_seed(1)
+    q_lens, kv_lens = [5, 17, 9], [6, 0, 12]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device) for n in (q_lens, kv_lens))
+    q = torch.randn(sum(q_lens), 4, 32, generator=gen).to(device).requires_grad_()
+    k = torch.randn(sum(kv_lens), 2, 32, generator=gen).to(device).requires_grad_()
+    v = torch.randn(sum(kv_lens), 2, 16, generator=gen).to(device).requires_grad_()
+    o, lse = kern(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    do = torch.randn(o.shape, generator=gen).to(device)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = attngen.reference(kern.spec, *wide, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    assert o.shape == (31, 4, 16) and not o.isnan().any() and all(not g.isnan().any() for g in grads)
+    finite = ref_lse.isfinite()  # the second sequence has no key: lse = -inf
+    assert torch.equal(lse.isfinite(), finite) and (lse.double()[finite] - ref_lse[finite]).abs().max() < 1e-4
+    assert (o.double() - ref).abs().max() < 1e-4
+    assert all((g.double() - r).abs().max() < 1e-3 for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_decoding_takes_a_value_dim(layout, target, device):
+    """The decode kernels (split keys, merged partial results) with a contiguous cache and per-sequence lengths,
+    and with a paged cache: verify's serving check (the reference gathers the pages)."""
+    paged = "\n    kv_layout = paged\n    page_size = 16" if layout == "paged" else ""
+    kern = attngen.compile(_spec(MASKS["causal"] + paged, 24), target)
+    if layout == "paged":
+        results = [verify.check_one(kern, shape, device) for shape in ((2, 4, 2, 1, 70), (1, 8, 1, 3, 200))]
+        assert all(r.ok and not r.nan for r in results), verify.format_table("paged", results)
+        return
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 2, 32, generator=gen).to(device)
+    k = torch.randn(3, 2, 300, 32, generator=gen).to(device)
+    v = torch.randn(3, 2, 300, 24, generator=gen).to(device)
+    lens = torch.tensor([300, 17, 0], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        o, lse = kern(q, k, v, kv_lens=lens, return_lse=True)
+    ref, ref_lse = attngen.reference(kern.spec, q.double(), k.double(), v.double(), kv_lens=lens, return_lse=True)
+    assert o.shape == (3, 4, 2, 24) and not o.isnan().any()
+    assert (o.double() - ref).abs().max() < 1e-4
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite) and (lse.double()[finite] - ref_lse[finite]).abs().max() < 1e-4
+
+
+def test_value_dim_equal_to_head_dim_is_the_plain_spec():
+    """`value_dim = head_dim` says nothing more: the same spec, hash and generated code as without it."""
+    plain = load_spec("attention a { head_dim = 64 mask = q_idx >= kv_idx }")
+    same = load_spec("attention a { head_dim = 64 value_dim = 64 mask = q_idx >= kv_idx }")
+    assert same == plain and spec_hash(same) == spec_hash(plain)
+    assert spec_hash(load_spec("attention a { head_dim = 64 value_dim = 32 mask = q_idx >= kv_idx }")) != spec_hash(plain)
+
+
+@pytest.mark.parametrize("value", ["8", "512", "auto", "1.5"])
+def test_value_dim_out_of_range_is_an_error_at_its_text(value):
+    text = f"attention a {{ head_dim = 64 value_dim = {value} }}"
+    with pytest.raises(SpecError) as info:
+        load_spec(text, "a.attn")
+    message = str(info.value).splitlines()[0]
+    assert message.startswith(f"a.attn:1:{text.index('value_dim = ') + 13}: error: value_dim") and "16..256" in message, message
+
+
+@pytest.mark.parametrize("setting", ["dtype = fp8", "dtype = bf16 kv_dtype = fp8"])
+def test_value_dim_with_fp8_is_not_yet_taken(setting):
+    text = f"attention a {{ head_dim = 64 value_dim = 32 {setting} }}"
+    with pytest.raises(SpecError) as info:
+        load_spec(text, "a.attn")
+    assert str(info.value).startswith(f"a.attn:1:29: error: value_dim cannot go with {setting.split()[-3]} = fp8 yet"), str(info.value)
+
+
+def test_a_call_with_v_of_the_wrong_width_is_refused(target):
+    kern = attngen.compile(_spec(MASKS["causal"]), target)
+    q, k = (torch.randn(1, 2, 8, 32) for _ in range(2))
+    with pytest.raises(InputError, match="v has 32 columns, the spec says value_dim = 16"):
+        kern(q, k, torch.randn(1, 2, 8, 32))
+    with pytest.raises(InputError, match=r"v \(B, Hkv, Nk, value_dim\) must agree"):
+        attngen.reference(kern.spec, q, k, torch.randn(1, 2, 8, 32))
+    plain = attngen.compile(MASKS["causal"].join(["attention p { head_dim = 32 dtype = fp32 ", " }"]), target)
+    with pytest.raises(InputError, match="a spec with `value_dim = N` takes V of N columns"):
+        plain(q, k, torch.randn(1, 2, 8, 16))
+
+
+def test_the_gluon_generator_leaves_a_value_dim_to_the_triton_one():
+    """DeepSeek's shape (192 / 128): auto takes the Triton generator and says why; the plan derives its tiles from
+    both widths (K and V stages of 192 + 128 columns)."""
+    spec = load_spec(_spec(MASKS["causal"], 128, "bf16", 192))
+    p = plan(spec, "h100")
+    choice = choose(spec, p, Backend.AUTO)
+    assert choice.generator == "triton" and "value_dim 128 (head_dim 192)" in choice.reason
+    assert p.head_dim_pad == 256 and p.value_dim_pad == 128 and "value_dim 128 (padded to 128)" in p.describe()
+    same = plan(dataclasses.replace(spec, value_dim=None), "h100")
+    assert p.num_stages >= same.num_stages  # V's stage is narrower: never fewer stages than with V as wide as K
