@@ -25,8 +25,8 @@ from ..plan.tune import bucket as tune_bucket
 from .autograd import AttentionFunction, Ops
 from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
-from .fp8 import dequantize, fp8_call
 from .evaluate import sink_rows
+from .fp8 import dequantize, fp8_call
 from .input_grads import LOG2E, reduce_input_grads, sink_row_grads
 from .layout import empty_like_layout
 from .loader import check_device, interpreted_if_cpu, is_sm90
