@@ -147,7 +147,8 @@ def _check(name, layout, gathered, identical):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_matches_one_process_and_the_reference(world, tmp_path):
-    cases = CASES + ([("dropout", "contiguous")] if world == 2 else [])
+    # four ranks: the layouts' chunk pairs and a window's dropped blocks (every spec runs with two)
+    cases = CASES + [("dropout", "contiguous")] if world == 2 else [("causal", "zigzag"), ("window", "contiguous"), ("lengths", "zigzag")]
     results = _spawn(world, cases, tmp_path)
     for name, layout in cases:
         _check(name, layout, *results[(name, layout)])

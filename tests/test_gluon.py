@@ -506,51 +506,56 @@ def test_a_separable_bias_matches_the_reference(name, deterministic, device):
     assert all(r.ok for r in results), verify.format_table(name, results)
 
 
-@pytest.mark.slow  # triton.compile for sm_90 in subprocesses: about 3 min on 2 cores
-def test_every_taken_spec_compiles_for_sm90(tmp_path):
+# every taken spec (deterministic), three with deterministic = false, and dense at head_dim 64 (three consumer warpgroups)
+SM90_CASES = [(name, True) for name in TAKEN] + [("dense", False), ("causal", False), ("alibi", False), ("dense64", True)]
+
+
+@pytest.mark.slow  # triton.compile for sm_90 in a subprocess: 10-40 s each on 2 cores
+@pytest.mark.parametrize("name, det", SM90_CASES, ids=[f"{n}-{'deterministic' if d else 'unordered'}" for n, d in SM90_CASES])
+def test_every_taken_spec_compiles_for_sm90(name, det, tmp_path):
     """A Gluon kernel that does not compile would only fail on the GPU: compile each spec's kernels for sm_90 here
-    (the forward, the backward and its pre-pass, each also for packed sequences; bf16 and fp16; in a process of
-    its own, without the interpreter, specialized as Triton's JIT would on the GPU) and check the schedule made it
-    into the PTX: the register budgets (setmaxnreg 24 and 240), the wgmma products, the TMA copies, the
-    backward's dQ added by TMA reduce-adds (no floating-point atomic: with deterministic = true, the default,
-    only the integer ticket and turn counters; with false, none); and the shared memory fits."""
+    (the forward, the backward and its pre-pass, each also for packed sequences; in bf16, and for the causal spec in
+    fp16 too (the element type changes nothing else); in a process of its own, without the interpreter, specialized
+    as Triton's JIT would on the GPU) and check the schedule made it into the PTX: the register budgets (setmaxnreg
+    24 and 240), the wgmma products, the TMA copies, the backward's dQ added by TMA reduce-adds (no floating-point
+    atomic: with deterministic = true, the default, only the integer ticket and turn counters; with false, none);
+    and the shared memory fits."""
     from attngen.codegen.gluon import build_source
 
     smem = plan(_spec("causal"), "h100").target.smem_per_block
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # (and dense at head_dim 64: three consumer warpgroups)
-    for name, det in [(name, True) for name in TAKEN] + [("dense", False), ("causal", False), ("alibi", False), ("dense64", True)]:
-        path = tmp_path / f"{name}_{det}_gluon.py"
-        spec = _spec("dense", head_dim=64) if name == "dense64" else _spec(name, deterministic=det)
-        gp = plan_gluon(plan(spec, "h100"))
-        path.write_text(build_source(gp)[1])
-        run = subprocess.run([sys.executable, "-m", "attngen.aot.gluon_binaries", str(path), "bf16", "fp16"], env=env,
-                             capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
-        lines = [json.loads(line) for line in run.stdout.splitlines()]
-        tails = ("", " varlen") if takes_packed(spec) else ("",)  # packed sequences where the spec takes them
-        kernels = [k + tail for tail in tails for k in ("_attn_fwd", "_attn_bwd", "_bwd_delta")]
-        if spec.dropout:  # and with dropout compiled in
-            kernels += [k + tail + " dropout" for k in ("_attn_fwd", "_attn_bwd") for tail in tails]
-        if gp.persistent:  # the forward's persistent form (calls of few keys)
-            kernels += ["_attn_fwd persistent"] + (["_attn_fwd persistent dropout"] if spec.dropout else [])
-        if det and gp.bwd_persistent_max_keys:  # the backward's (head_dim 64: calls of few keys)
-            kernels += [f"_attn_bwd{tail} persistent" for tail in tails] + [f"_attn_bwd{tail} persistent dropout" for tail in tails if spec.dropout]
-        assert sorted((r["kernel"], r["dtype"]) for r in lines) == sorted((k, t) for t in ("bf16", "fp16") for k in kernels)
-        for r in lines:
-            assert r["cubin_bytes"] > 0 and 0 <= r["shared"] <= smem, (name, r)
-            if not r["kernel"].startswith("_bwd_delta"):
-                regs = str(gp.consumer_regs if r["kernel"].startswith("_attn_fwd") else gp.bwd_consumer_regs)  # (three consumers: 160)
-                assert {"24", regs} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"] and r["shared"] > 0, (name, r)
-            if r["kernel"].startswith("_attn_fwd"):
-                # (three consumers at 160 registers: the persistent form keeps two of an item's values in local
-                # memory across its loop, 32 bytes, stored once an item and read at its end)
-                allowed = 32 if gp.consumers == 3 and "persistent" in r["kernel"] else 0
-                assert r["spill_bytes"] <= allowed, (name, r)
-        bwd = [r for r in lines if r["kernel"].startswith("_attn_bwd")]
-        counters = ["atom.global.gpu.acq_rel.add.u32", "red.release.gpu.global.add.s32"] if det else []  # ticket, turns
-        assert all(r["atomics"] == counters and r["tma_reduce"] == ["cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group"]
-                   for r in bwd), (name, det, bwd)
+    dtypes = ("bf16", "fp16") if (name, det) == ("causal", True) else ("bf16",)
+    path = tmp_path / f"{name}_{det}_gluon.py"
+    spec = _spec("dense", head_dim=64) if name == "dense64" else _spec(name, deterministic=det)
+    gp = plan_gluon(plan(spec, "h100"))
+    path.write_text(build_source(gp)[1])
+    run = subprocess.run([sys.executable, "-m", "attngen.aot.gluon_binaries", str(path), *dtypes], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    tails = ("", " varlen") if takes_packed(spec) else ("",)  # packed sequences where the spec takes them
+    kernels = [k + tail for tail in tails for k in ("_attn_fwd", "_attn_bwd", "_bwd_delta")]
+    if spec.dropout:  # and with dropout compiled in
+        kernels += [k + tail + " dropout" for k in ("_attn_fwd", "_attn_bwd") for tail in tails]
+    if gp.persistent:  # the forward's persistent form (calls of few keys)
+        kernels += ["_attn_fwd persistent"] + (["_attn_fwd persistent dropout"] if spec.dropout else [])
+    if det and gp.bwd_persistent_max_keys:  # the backward's (head_dim 64: calls of few keys)
+        kernels += [f"_attn_bwd{tail} persistent" for tail in tails] + [f"_attn_bwd{tail} persistent dropout" for tail in tails if spec.dropout]
+    assert sorted((r["kernel"], r["dtype"]) for r in lines) == sorted((k, t) for t in dtypes for k in kernels)
+    for r in lines:
+        assert r["cubin_bytes"] > 0 and 0 <= r["shared"] <= smem, (name, r)
+        if not r["kernel"].startswith("_bwd_delta"):
+            regs = str(gp.consumer_regs if r["kernel"].startswith("_attn_fwd") else gp.bwd_consumer_regs)  # (three consumers: 160)
+            assert {"24", regs} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"] and r["shared"] > 0, (name, r)
+        if r["kernel"].startswith("_attn_fwd"):
+            # (three consumers at 160 registers: the persistent form keeps two of an item's values in local
+            # memory across its loop, 32 bytes, stored once an item and read at its end)
+            allowed = 32 if gp.consumers == 3 and "persistent" in r["kernel"] else 0
+            assert r["spill_bytes"] <= allowed, (name, r)
+    bwd = [r for r in lines if r["kernel"].startswith("_attn_bwd")]
+    counters = ["atom.global.gpu.acq_rel.add.u32", "red.release.gpu.global.add.s32"] if det else []  # ticket, turns
+    assert all(r["atomics"] == counters and r["tma_reduce"] == ["cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group"]
+               for r in bwd), (name, det, bwd)
 
 
 @pytest.mark.slow  # triton.compile for sm_90 in subprocesses: about 40 s on 2 cores
