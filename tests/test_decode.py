@@ -302,7 +302,7 @@ def _bad_paged_call(device, **changes):
     ({"kv_lens": _lens([20], "cpu")}, "kv_lens has 1 entries; the batch has 2 sequences"),
     ({"q_lens": _lens([1, 2], "cpu")}, "q_lens of sequence 1 is 2; q holds 0..1 queries per sequence"),
     ({"k": torch.zeros(6, 8, HKV, 64)}, r"k has pages of 8 tokens \(dimension 1\); the spec says page_size = 16"),
-    ({"k": torch.zeros(6, 16, 3, 64)}, r"k and v must have the same shape"),
+    ({"k": torch.zeros(6, 16, 3, 64)}, r"k and v must have the same batch, heads and tokens"),
     ({"cu_seqlens_q": _lens([0, 1, 2], "cpu"), "cu_seqlens_k": _lens([0, 1, 2], "cpu")}, "do not go with packed sequences"),
 ])
 def test_bad_lengths_and_block_tables_are_refused_before_any_kernel(changes, message, device):

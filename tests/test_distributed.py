@@ -1,6 +1,6 @@
 """Context parallelism (attngen.distributed) over gloo, 2 and 4 processes spawned by the test: every rank's shard of
 O, the lse and dQ, dK, dV, gathered, against the single-process kernel and the float64 reference with the error
-budget of attngen.verify; reruns bit-identical; the masks (causal, window, documents, ALiBi, grouped-query heads,
+budget of attngen.verify; reruns (RERUN) bit-identical; the masks (causal, window, documents, ALiBi, grouped-query heads,
 dropout) evaluated at positions in the whole sequence. Shapes that cannot be split are refused with a clear error.
 On the GPU, benchmarks/context_parallel.py runs the same comparison over NCCL (BENCHMARKS.md)."""
 import multiprocessing
@@ -41,6 +41,10 @@ CASES = [("causal", "zigzag"), ("causal", "contiguous"), ("window", "zigzag"), (
          ("dense_bf16", "zigzag"), ("lengths", "contiguous"), ("value_dim", "zigzag")]
 
 
+# the cases run twice, to compare bits: both layouts, an input read by the mask, dropout's pattern
+RERUN = {("causal", "zigzag"), ("causal", "contiguous"), ("document", "zigzag"), ("dropout", "contiguous")}
+
+
 def _data(name, n):
     spec = attngen.compile(SPECS[name], "h100").spec
     gen = torch.Generator().manual_seed(0)
@@ -73,8 +77,11 @@ def _worker(rank, world, init, out, cases):
             q, k, v, do, inputs = _data(name, n)
             kw = {"seed": SEED} if name == "dropout" else {}
             first = _run(kern, layout, q, k, v, do, inputs, **kw)
-            again = _run(kern, layout, q, k, v, do, inputs, **kw)
-            results[(name, layout)] = (first, all(torch.equal(a, b) for a, b in zip(first, again)))
+            if (name, layout) in RERUN:  # run again: the same bits (every rank's sums in a fixed order)
+                again = _run(kern, layout, q, k, v, do, inputs, **kw)
+                results[(name, layout)] = (first, all(torch.equal(a, b) for a, b in zip(first, again)))
+            else:
+                results[(name, layout)] = (first, True)
         # refused: shards of different lengths on different ranks, zigzag's odd shard, dropout without a seed
         kern = attngen.compile(SPECS["causal"], "h100")
         errors = {}

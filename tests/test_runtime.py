@@ -52,7 +52,7 @@ def test_compile_errors():
         (lambda q, k, v, i: (q.float(), k, v, i), "q is torch.float32, the spec 'key_padding' says dtype = bf16"),
         (lambda q, k, v, i: (q[0], k, v, i), "q must be 4-D"),
         (lambda q, k, v, i: (q[..., :32], k, v, i), "q has head_dim 32, the spec says 64"),
-        (lambda q, k, v, i: (q, k, v[:, :, :5], i), "k and v must have the same shape"),
+        (lambda q, k, v, i: (q, k, v[:, :, :5], i), "k and v must have the same batch, heads and tokens"),
         (lambda q, k, v, i: (q[:, :3], k, v, i), r"query heads \(3\) must be a multiple of key/value heads \(2\)"),
         (lambda q, k, v, i: (q, k[:1], v[:1], i), "q has batch 2, k and v have 1"),
         (lambda q, k, v, i: (q, k, v, {}), "missing input 'lens'"),

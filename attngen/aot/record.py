@@ -117,7 +117,7 @@ def _calls(spec):
     dtype = TORCH_DTYPES[spec.dtype.value]
     for B, Hq, Hkv, Nq, Nk in SHAPES:
         gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(B, h, n, spec.head_dim, generator=gen).to(dtype) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+        q, k, v = (torch.randn(B, h, n, d, generator=gen).to(dtype) for h, n, d in ((Hq, Nq, spec.head_dim), (Hkv, Nk, spec.head_dim), (Hkv, Nk, spec.dv)))
         yield (B, Hq, Hkv, Nq, Nk), q, k, v, make_inputs(spec, B, Hq, Nq, Nk, "cpu", gen)
 
 
@@ -173,7 +173,7 @@ def _packed_calls(spec):
         gen = torch.Generator().manual_seed(0)
         cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) for lens in (q_lens, kv_lens)]
         q = torch.randn(sum(q_lens), 4, spec.head_dim, generator=gen).to(dtype)
-        k, v = (torch.randn(sum(kv_lens), 2, spec.head_dim, generator=gen).to(dtype) for _ in range(2))
+        k, v = (torch.randn(sum(kv_lens), 2, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
         dims = Dims(len(q_lens), 4, 2, max(q_lens), max(kv_lens))
         inputs = make_inputs(spec, dims.batch, 4, dims.q_len, dims.kv_len, "cpu", gen)
         yield (*(t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)), (cu[0], cu[1], dims.q_len, dims.kv_len),
@@ -195,15 +195,15 @@ def _record_decode(spec, module) -> None:
         q = torch.randn(B, Hq, Nq, spec.head_dim, generator=gen).to(dtype)
         if paged:
             pages = 256 // spec.page_size
-            k = torch.randn(B * pages, spec.page_size, Hkv, spec.head_dim, generator=gen).to(dtype)
+            k, v = (torch.randn(B * pages, spec.page_size, Hkv, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
             table = {"block_table": torch.arange(B * pages, dtype=torch.int32).view(B, pages)}
         else:
-            k = torch.randn(B, Hkv, 256, spec.head_dim, generator=gen).to(dtype)
+            k, v = (torch.randn(B, Hkv, 256, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
             table = {}
         inputs = make_inputs(spec, B, Hq, Nq, 256, "cpu", gen)
         tensors = [inputs[d.name] for d in spec.inputs]
         for splits in (1, 2):
-            module.attention_decode(q, k, k, *tensors, kv_lens=torch.full((B,), 200, dtype=torch.int32), block_r=block_rows(Hq // Hkv * Nq),
+            module.attention_decode(q, k, v, *tensors, kv_lens=torch.full((B,), 200, dtype=torch.int32), block_r=block_rows(Hq // Hkv * Nq),
                                     num_splits=splits, **table)
 
 
