@@ -7,7 +7,7 @@ import torch
 
 from ..lang.algebra import read_derivative
 from ..lang.expr import SCORE_VARS, SINK_VARS, Scope, input_reads
-from ..lang.spec import Index, Spec, Var
+from ..lang.spec import Const, Index, Spec, Var
 from .checks import Dims
 from .evaluate import evaluate, sink_rows
 
@@ -31,6 +31,9 @@ def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], 
             continue
         if g.kind == "uniform":  # one element per (b, h): the rows' sums
             term = term.sum(2)
+        if _plain(g.read, term.dim()):
+            _add_direct(g.read, term, grads[g.read.input])
+            continue
         _scatter(g.read, term, grads[g.read.input], inputs[g.read.input].shape, dims, index_inputs, scope)
     if row_sink_grads is not None:
         sink_scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
@@ -40,8 +43,11 @@ def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], 
             if not inputs[read.input].is_floating_point():
                 continue
             slope = evaluate(read_derivative(spec.sink, sink_scope, read), env, values, sink_scope, torch.float64)
-            term = row_sink_grads.double() * torch.as_tensor(slope, device=row_sink_grads.device).double()
-            _scatter(read, term.broadcast_to(row_sink_grads.shape), grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
+            term = (row_sink_grads.double() * torch.as_tensor(slope, device=row_sink_grads.device).double()).broadcast_to(row_sink_grads.shape)
+            if _plain(read, term.dim()):  # gpt-oss's sinks[h]: the rows' sums per head, on the device
+                _add_direct(read, term, grads[read.input])
+            else:
+                _scatter(read, term, grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
     return {name: g.to(inputs[name].dtype) for name, g in grads.items()}
 
 
@@ -77,10 +83,20 @@ def _scatter(read: Index, term: torch.Tensor, grad: torch.Tensor, shape, dims: D
     grad += _sum_by_element(flat[valid], term[valid], grad.numel()).view(shape).to(grad)
 
 
+def _plain(read: Index, ndim: int) -> bool:
+    """Whether each index of the read is a constant or a distinct axis of a term of ndim axes (b, h, q_idx, kv_idx
+    in that order): its gradient is then the term summed over the other axes (_add_direct), no scatter."""
+    names = [i.name for i in read.indices if isinstance(i, Var)]
+    return (len(set(names)) == len(names) and all(n in _AXES[:ndim] for n in names)
+            and all(isinstance(i, Var) or (isinstance(i, Const) and isinstance(i.value, int)) for i in read.indices))
+
+
 def _add_direct(read: Index, term: torch.Tensor, grad: torch.Tensor) -> None:
-    """grad[read's indices] += the (B, H, Nq, Nk) term summed over the axes the read does not name."""
+    """grad[read's indices] += the term, (B, H, Nq, Nk) or its first axes, summed over the axes the read does not
+    name. A reduction along whole axes: the same order every run (deterministic), on the term's device."""
+    axes = _AXES[:term.dim()]
     used = [i.name for i in read.indices if isinstance(i, Var)]
-    t = term.sum(dim=[a for a, name in enumerate(_AXES) if name not in used]) if len(used) < 4 else term
+    t = term.sum(dim=[a for a, name in enumerate(axes) if name not in used]) if len(used) < len(axes) else term
     t = t.permute([sorted(used, key=_AXES.index).index(name) for name in used])
     target, source = [], [slice(None)] * len(used)
     for i, size in zip(read.indices, grad.shape):
