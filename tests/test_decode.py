@@ -49,8 +49,9 @@ def _lens(values, device):
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def _check_reference(kern, out, lse, q, k, v, **serving):
-    """out and the natural-log lse against the float64 reference (each sequence on its own with its lengths)."""
+def _check_reference(kern, out, lse, q, k, v, terms: float = 0.0, **serving):
+    """out and the natural-log lse against the float64 reference (each sequence on its own with its lengths);
+    terms: the magnitude of the terms summed into a score, for the error floor (verify._floor)."""
     dtype = TORCH_DTYPES[kern.spec.dtype.value]
     inputs = {name: t for name, t in serving.items() if name not in ("kv_lens", "q_lens", "block_table")}
     lengths = {name: t.cpu() for name, t in serving.items() if name in ("kv_lens", "q_lens", "block_table")}
@@ -60,7 +61,7 @@ def _check_reference(kern, out, lse, q, k, v, **serving):
     naive = attngen.reference(kern, *(t.float() if dtype == torch.bfloat16 else t for t in cpu), dtype=torch.float32 if dtype == torch.bfloat16 else dtype,
                               **lengths, **inputs)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    err, _, bound = _bound(out.cpu(), naive.to(out.dtype), ref, 2)
+    err, _, bound = _bound(out.cpu(), naive.to(out.dtype), ref, 2, terms)
     assert err <= bound, (err, bound)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), finite)
@@ -433,3 +434,50 @@ def test_serving_sizes_on_the_gpu(dtype, layout, q_rows, device):
     with torch.no_grad():
         out, lse = kern(q, k, v, return_lse=True, **serving)
     _check_reference(kern, out, lse, q, k, v, **serving)
+
+
+# DeepSeek's latent attention decoding in its absorbed form (specs/mla_decode.attn): one paged cache of 576 columns
+# a token, V its first 512 (a view of the cache); the decode kernels read K in two parts then, the 512 (V's) and 64
+LATENT = (ROOT / "specs" / "mla_decode.attn").read_text()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_latent_attention_reads_v_as_a_view_of_k(dtype, device):
+    """V passed as cache[..., :512] gives the bits of V passed as a copy of those columns (which the kernel then
+    reads on its own), split or not, over shuffled pages with NaN in every slot no sequence owns; against the
+    float64 reference. A view of other columns is a V of its own, read as such."""
+    kern = attngen.compile(LATENT.replace("dtype     = bf16", f"dtype = {dtype}"), "h100")
+    assert kern.plan.decode_tail == 64 and kern.plan.decode_tail_pad == 64
+    lens = [200, 77, 1, 0]
+    q, k, _ = _tensors(kern.spec, device, lens, 1, hq=16, hkv=1, capacity=256)
+    cache, _, table, _, _ = _paged(k, k[..., :512], lens, 64, device, shared_prefix=False)
+    kv_lens = _lens(lens, device)
+    with torch.no_grad():
+        out, lse = kern(q, cache, cache[..., :512], block_table=table, kv_lens=kv_lens, return_lse=True)
+        copy = kern(q, cache, cache[..., :512].clone(), block_table=table, kv_lens=kv_lens, return_lse=True)
+        assert torch.equal(out, copy[0]) and torch.equal(lse, copy[1])
+        for splits in (1, 3) if device == "cuda" or dtype == "fp32" else ():  # (the interpreter has no bf16 arithmetic)
+            split = kern.module.attention_decode(q, cache, cache[..., :512], block_table=table, kv_lens=kv_lens, block_r=16, num_splits=splits)
+            assert (split[0].float() - out.float()).abs().max() <= (0.0 if dtype == "fp32" and splits == 1 else 2e-2)
+        other = cache[..., 64:]
+        shifted = kern(q, cache, other, block_table=table, kv_lens=kv_lens)
+        assert torch.equal(shifted, kern(q, cache, other.clone(), block_table=table, kv_lens=kv_lens))
+    # the floor scales with the 576 products summed into each score (the GPU sums them in another order than the CPU)
+    terms = kern.spec.softmax_scale * (q.abs().double().reshape(-1, 576) @ cache.nan_to_num().abs().double().reshape(-1, 576).T).max().item()
+    _check_reference(kern, out, lse, q, cache, cache[..., :512], terms, kv_lens=kv_lens, block_table=table)
+    _check_reference(kern, shifted, lse, q, cache, other, terms, kv_lens=kv_lens, block_table=table)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("head_dim = 576\n value_dim = 512", r"head_dim = 576 is out of range; expected 16..256 \(up to 576 with kv_layout = paged"),
+    ("head_dim = 576\n value_dim = 256\n kv_layout = paged", "needs a value_dim that is a power of two below it, with at most 256 columns left"),
+    ("head_dim = 576\n value_dim = 320\n kv_layout = paged", "needs a value_dim that is a power of two below it"),
+    ("head_dim = 576\n kv_layout = paged", "needs a value_dim that is a power of two below it"),
+    ("head_dim = 640\n value_dim = 512\n kv_layout = paged", r"head_dim = 640 is out of range; expected 16..576"),
+    ("head_dim = 128\n value_dim = 512", r"value_dim = 512 is out of range; expected 16..256 \(up to 512 with kv_layout = paged"),
+])
+def test_wide_heads_are_for_the_decode_kernels(body, message):
+    """Heads above 256 columns go with a paged cache (the decode kernels), K in two parts: a SpecError at the
+    setting otherwise."""
+    with pytest.raises(SpecError, match=message):
+        load_spec(f"attention t {{\n {body}\n}}")

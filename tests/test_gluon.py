@@ -34,7 +34,7 @@ SPECS = {p.stem: p for p in sorted((ROOT / "specs").glob("*.attn"))}
 NOT_TAKEN = {
     "causal_fa1": "loop_order = kv_outer",
     "dilated": "head_dim 32", "odd_head_dim": "dtype fp32",
-    "paged_decode": "kv_layout = paged",
+    "paged_decode": "kv_layout = paged", "mla_decode": "kv_layout = paged",
     "sink_window": "a sink",
 }
 TAKEN = sorted(set(SPECS) - set(NOT_TAKEN))

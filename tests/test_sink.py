@@ -1,6 +1,7 @@
 """Learnable sinks (`sink = EXPR`, gpt-oss's attention): one more logit in each query row's softmax, with no value.
 Checked against the float64 reference like every spec (O, the lse, every gradient, the sink's inputs' included); a
-row that keeps no key gives O = 0 and lse = its sink; the spec's errors, and the calls that take no sink yet."""
+row that keeps no key gives O = 0 and lse = its sink, in the training kernels and the decode ones; the spec's errors,
+and the calls that take no sink yet."""
 import warnings
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from attngen.lang.spec import Backend
 from attngen.plan.planner import plan
 from attngen.runtime.evaluate import sink_rows
 from attngen.tools import bench, verify
+from tests.test_decode import _check_reference, _lens, _paged, _tensors
 
 ROOT = Path(__file__).parent.parent
 # gpt-oss's layers, shortened: a sink per head, a window (the model's is 128 keys), grouped-query heads in the shapes
@@ -104,18 +106,56 @@ def test_packed_sequences_take_the_sink(target, device):
     torch.testing.assert_close(lse[:, 5:22], inputs["sinks"][:, None] - 0.02 * torch.arange(17, device=device), rtol=1e-6, atol=1e-6)
 
 
-def test_a_short_plain_call_runs_the_forward_not_the_decode_kernels(target, device):
-    """Few queries and nothing to differentiate take the decode kernels, which have no sink yet: such a call runs
-    the forward kernel instead, with the sink."""
+def test_a_short_plain_call_decodes_with_its_sink(target, device):
+    """Few queries and nothing to differentiate take the decode kernels: the sink joins each row there too, as in
+    the forward a gradient-enabled call runs."""
     kern = attngen.compile(GPT_OSS.replace("DT", "fp32"), target)
-    assert not hasattr(kern.module, "attention_decode")
+    assert hasattr(kern.module, "attention_decode")
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(2, 8, 1, 64, generator=gen).to(device)
     k, v = (torch.randn(2, 2, 300, 64, generator=gen).to(device) for _ in range(2))
     sinks = torch.randn(8, generator=gen).to(device)
-    o = kern(q, k, v, sinks=sinks)
-    ref = attngen.reference(kern.spec, q.double(), k.double(), v.double(), sinks=sinks)
-    assert not o.isnan().any() and (o.double() - ref).abs().max() < 1e-4
+    with torch.no_grad():
+        o, lse = kern(q, k, v, sinks=sinks, return_lse=True)
+    trained, trained_lse = kern(q.requires_grad_(), k, v, sinks=sinks, return_lse=True)  # the forward kernel
+    ref, ref_lse = attngen.reference(kern.spec, q.double(), k.double(), v.double(), sinks=sinks, return_lse=True)
+    assert not o.isnan().any() and (o.double() - ref).abs().max() < 1e-4 and (lse.double() - ref_lse).abs().max() < 1e-4
+    assert (o - trained).abs().max() < 1e-5 and (lse - trained_lse).abs().max() < 1e-5
+
+
+# a sink that reads q_idx (each new token's index) over a window of the cache's last keys
+DECODE = """attention decode_sink {
+    head_dim = 64
+    dtype = fp32
+    input sinks: fp32[H]
+    sink = sinks[h] - 0.01 * q_idx
+    mask = q_idx + kv_len - q_len >= kv_idx and q_idx + kv_len - q_len - kv_idx < 48
+    LAYOUT
+}"""
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_decoding_over_a_cache_takes_the_sink_once(layout, target, device):
+    """kv_lens of 200, 77, 1 and 0 over a cache of NaN past each length (paged: shuffled pages): the sink joins
+    each row once however many runs the keys are split into (split 0 starts from it), rows that keep no key
+    give O = 0 and lse = their sink, against the float64 reference."""
+    paged = layout == "paged"
+    kern = attngen.compile(DECODE.replace("LAYOUT", "kv_layout = paged\n    page_size = 16" if paged else ""), target)
+    lens = [200, 77, 1, 0]
+    q, k, v = _tensors(kern.spec, device, lens, 2, hq=8, hkv=2, capacity=208)
+    serving = {"kv_lens": _lens(lens, device)}
+    if paged:
+        k, v, serving["block_table"], _, _ = _paged(k, v, lens, 16, device, shared_prefix=False)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(4)).to(device)
+    with torch.no_grad():
+        o, lse = kern(q, k, v, return_lse=True, sinks=sinks, **serving)
+        for splits in (1, 3):
+            o_s, lse_s = kern.module.attention_decode(q, k, v, sinks, **serving, block_r=16, num_splits=splits)
+            assert (o_s - o).abs().max() < 1e-5 and (lse_s * 0.6931471805599453 - lse).abs().max() < 1e-5
+    _check_reference(kern, o, lse, q, k, v, sinks=sinks, **serving)
+    assert torch.equal(o[3], torch.zeros_like(o[3]))  # sequence 3 keeps no key: its sink alone
+    want = sinks[:, None] - 0.01 * torch.arange(2, device=device)
+    torch.testing.assert_close(lse[3], want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("setting, at, message", [
@@ -123,7 +163,6 @@ def test_a_short_plain_call_runs_the_forward_not_the_decode_kernels(target, devi
     ("sink = score * 2.0", "score", "'score' cannot be used in sink"),
     ("sink = q_idx > 3", "q_idx", "sink must be a number expression of b, h, kv_len, q_idx, q_len and the declared inputs, got bool"),
     ("loop_order = kv_outer sink = 1.0", "sink", "a sink cannot go with loop_order = kv_outer yet (the kv_outer forward has none)"),
-    ("kv_layout = paged sink = 1.0", "sink", "a sink cannot go with kv_layout = paged yet (the decode kernels over a paged cache have none)"),
     ("dtype = fp8 sink = 1.0", "sink", "a sink cannot go with dtype = fp8 yet (the FP8 kernels have none)"),
 ])
 def test_what_a_sink_may_not_be(setting, at, message):
@@ -137,8 +176,6 @@ def test_what_a_sink_may_not_be(setting, at, message):
 def test_calls_that_take_no_sink_yet_say_so(target):
     kern = attngen.compile(GPT_OSS.replace("DT", "fp32"), target)
     q, k, v = (torch.randn(1, 2, 8, 64) for _ in range(3))
-    with pytest.raises(InputError, match="the decode kernels have no sink yet"):
-        kern(q, k, v, sinks=torch.zeros(2), kv_lens=torch.full((1,), 8, dtype=torch.int32))
     with pytest.raises(InputError, match="context_parallel does not take a sink yet"):
         attngen.distributed.context_parallel(kern, q, k, v, sinks=torch.zeros(2))
 

@@ -202,9 +202,11 @@ def _record_decode(spec, module) -> None:
             table = {}
         inputs = make_inputs(spec, B, Hq, Nq, 256, "cpu", gen)
         tensors = [inputs[d.name] for d in spec.inputs]
-        for splits in (1, 2):
-            module.attention_decode(q, k, v, *tensors, kv_lens=torch.full((B,), 200, dtype=torch.int32), block_r=block_rows(Hq // Hkv * Nq),
-                                    num_splits=splits, **table)
+        # latent attention (K read in two parts): V as a view of K's first columns, as MLA passes it, and V of its own
+        for v_arg in (v, k[..., :spec.dv]) if hasattr(module, "TAIL_DIM") else (v,):
+            for splits in (1, 2):
+                module.attention_decode(q, k, v_arg, *tensors, kv_lens=torch.full((B,), 200, dtype=torch.int32),
+                                        block_r=block_rows(Hq // Hkv * Nq), num_splits=splits, **table)
 
 
 def record_gluon_launches(kernel_plan, choice, module, arch: int) -> list[Launch]:

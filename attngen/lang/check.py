@@ -41,6 +41,9 @@ SETTINGS = (
 # Settings that may say `auto`: measured on the GPU (attngen/plan/tune.py) rather than derived from the target.
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages")
 
+# head_dim and value_dim with kv_layout = paged (the decode kernels): DeepSeek's latent attention, 512 + 64 columns
+MAX_DECODE_HEAD_DIM = 576
+MAX_DECODE_VALUE_DIM = 512
 MAX_NAME = 64  # characters of a spec's or an input's name (they name files, modules and kernel arguments)
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,%d}$" % (MAX_NAME - 1))
 
@@ -95,6 +98,15 @@ def _int_setting(s: Setting, lo: int, hi: int, *, allow_auto: bool = False, powe
             "block" if s.key.startswith("block") else s.key, "Triton requires it")
         raise SpecError(f"{s.key} = {n} must be a power of two ({why})", s.value.span)
     return n
+
+
+def _dim_setting(s: Setting, hi: int, paged: bool) -> int:
+    """head_dim or value_dim: 16..256, wider (up to hi) with kv_layout = paged."""
+    n = _number(s)
+    if isinstance(n, int) and 256 < n and not paged:
+        raise SpecError(f"{s.key} = {n} is out of range; expected 16..256 (up to {MAX_DECODE_HEAD_DIM if s.key == 'head_dim' else MAX_DECODE_VALUE_DIM} "
+                        f"with kv_layout = paged, whose decode kernels take wider heads)", s.value.span)
+    return _int_setting(s, 16, hi)
 
 
 def _choice(s: Setting, options: tuple[str, ...]) -> str:
@@ -207,11 +219,20 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
 
     if "head_dim" not in seen:
         raise SpecError("head_dim is required (an integer in 16..256), e.g. `head_dim = 128`", parsed.name_span)
-    values: dict = {"head_dim": _int_setting(seen["head_dim"], 16, 256)}
+    # a paged cache is read by the decode kernels only, which take wider heads: DeepSeek's latent attention
+    # (MLA, absorbed) decodes over 576 columns a token, V being the first 512 of them
+    paged = "kv_layout" in seen and _word(seen["kv_layout"]) == KVLayout.PAGED.value
+    values: dict = {"head_dim": _dim_setting(seen["head_dim"], MAX_DECODE_HEAD_DIM if paged else 256, paged)}
     if "value_dim" in seen:  # V's and O's last dimension where it differs from q's and k's (DeepSeek's 192 / 128)
-        value_dim = _int_setting(seen["value_dim"], 16, 256)
+        value_dim = _dim_setting(seen["value_dim"], MAX_DECODE_VALUE_DIM if paged else 256, paged)
         if value_dim != values["head_dim"]:
             values["value_dim"] = value_dim
+    d, dv = values["head_dim"], values.get("value_dim", values["head_dim"])
+    if d > 256 and (dv & (dv - 1) or dv >= d or d - dv > 256):
+        # the decode kernels read such a K as two parts, its first value_dim columns (which V may share) and the rest
+        raise SpecError(f"head_dim = {d} (above 256) needs a value_dim that is a power of two below it, with at most 256 "
+                        f"columns left over (the decode kernels read K as its first value_dim columns and the rest), e.g. "
+                        f"head_dim = 576 with value_dim = 512", seen["head_dim"].value.span)
 
     if "dtype" in seen:
         values["dtype"] = DType(_choice(seen["dtype"], tuple(d.value for d in DType)))
@@ -280,9 +301,7 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
     if "sink" in seen:  # one logit per query row: it may read b, h, q_idx, the lengths and inputs, not a key or a score
         values["sink"] = _expression(seen["sink"], ex.Scope("sink", ex.SINK_VARS, inputs), Type.FLOAT)
         for key, bad, why in (("loop_order", values.get("loop_order") is LoopOrder.KV_OUTER, "the kv_outer forward has none"),
-                              ("dtype", values.get("dtype") is DType.FP8, "the FP8 kernels have none"),
-                              ("kv_layout", values.get("kv_layout") is KVLayout.PAGED, "the decode kernels over a paged cache have none"),
-                              ("kv_dtype", values.get("kv_dtype") is DType.FP8, "the decode kernels over an FP8 cache have none")):
+                              ("dtype", values.get("dtype") is DType.FP8, "the FP8 kernels have none")):
             if bad:
                 raise SpecError(f"a sink cannot go with {key} = {_word(seen[key])} yet ({why})", seen["sink"].key_span)
     if "sparsity" in seen:

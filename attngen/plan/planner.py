@@ -110,6 +110,8 @@ class KernelPlan:
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
+    # with K in two parts (decode_tail): the stages when V is not the view of K it usually is (its own tiles too)
+    decode_v_num_stages: int = 0
     # context parallelism (attngen/distributed): the forward and backward kernels take the position of their first
     # query and key in the whole sequence (q_offset, kv_offset) and its lengths (seq_q_len, seq_kv_len), which the
     # expressions see; a shard's kernels (runtime/shard.py), never a plain call's
@@ -129,6 +131,18 @@ class KernelPlan:
         return self.spec.dv
 
     @property
+    def decode_tail(self) -> int:
+        """Above 256 columns (kv_layout = paged; DeepSeek's latent attention, 576 = 512 + 64) the decode kernels read
+        K as two parts, its first value_dim columns, which V may share, and the head_dim - value_dim after them:
+        that remainder's width. 0 for a K read whole."""
+        return self.head_dim - self.value_dim if self.head_dim > 256 else 0
+
+    @property
+    def decode_tail_pad(self) -> int:
+        """decode_tail padded to a power of two (tl.arange's), 0 without a tail."""
+        return max(MIN_TILE, 1 << (self.decode_tail - 1).bit_length()) if self.decode_tail else 0
+
+    @property
     def loop_order(self) -> LoopOrder:
         return self.spec.loop_order
 
@@ -144,6 +158,8 @@ class KernelPlan:
             "dkdv": {"BLOCK_M": self.bwd_block_m, "BLOCK_N": self.bwd_block_n, "num_warps": self.bwd_num_warps, "num_stages": self.bwd_num_stages},
             "dq": {"BLOCK_M": self.dq_block_m, "BLOCK_N": self.dq_block_n, "num_warps": self.dq_num_warps, "num_stages": self.dq_num_stages},
             "decode": {"BLOCK_N": self.decode_block_n, "num_warps": self.decode_num_warps, "num_stages": self.decode_num_stages},
+            **({"decode_v": {"BLOCK_N": self.decode_block_n, "num_warps": self.decode_num_warps, "num_stages": self.decode_v_num_stages}}
+               if self.decode_tail else {}),
         }
 
     @property
@@ -434,14 +450,26 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         dec_bn = min(dec_bn, spec.sparse_block)
     dec_q = 64 * dp * isz
     dec_stage = dec_bn * (dp + dvp) * isz + (64 * dec_bn * 4 if spec.dtype is DType.FP32 else 0)
+    dec_warps = 4
+    dec_v_stages = 0
+    if d > 256:  # K in two parts (KernelPlan.decode_tail): a tile of value_dim columns (V's too, when V is a view of
+        # them) and one of the rest; the rows' O (64 x value_dim float32) takes the registers of 8 warps. Measured on
+        # the H200 (2026-11-28; 576 / 512, 128 query heads, B = 8-64, 8192 keys, V a view of K): 32-key tiles in 3
+        # stages 1.2x the speed of 2, 64-key tiles in 2 stages as fast as 32 in 3; 4 warps half the speed of 8
+        tail_pad = max(MIN_TILE, 1 << (d - dv - 1).bit_length())  # KernelPlan.decode_tail_pad
+        dec_q = 64 * (dv + tail_pad) * isz
+        extra = 64 * dec_bn * 4 if spec.dtype is DType.FP32 else 0
+        dec_v_stages = max(1, min(3, (smem - dec_q) // (dec_bn * (dv + tail_pad + dv) * isz + extra)))
+        dec_stage = dec_bn * (dv + tail_pad) * isz + extra  # V a view of K: its tile is K's
+        dec_warps = 8
     # paged: 3 stages since the block table's entries are read a tile ahead (the kernel's _tile_pages): on the H100
     # (2026-11-26) 0.94-0.98x the time of 2 stages at 8192-32768 keys (B=1) and B=8 at 4096,
     # 1.03-1.05x at B=1 4096; with the entries read in the tile's own step, 3 stages were slower than 2 everywhere
     dec_stages = max(1, min(3 if paged else 4, (smem - dec_q) // dec_stage))
-    steps.append(Step("decode tiles", f"BLOCK_N = {'128 (pages under 128 tokens: a tile gathers several)' if paged else '64'} (32 above d_pad 128); "
+    why_bn = "128 (pages under 128 tokens: a tile gathers several)" if paged and dp <= 128 else "64" if dp <= 128 else "32 (d_pad above 128)"
+    steps.append(Step("decode tiles", f"BLOCK_N = {why_bn}; "
                                       f"num_stages = min({3 if paged else 4}, (smem - Q {dec_q}) // (K+V stage {dec_stage})); measured",
-                      f"BLOCK_N={dec_bn}, num_stages={dec_stages}, 4 warps"))
-    dec_warps = 4
+                      f"BLOCK_N={dec_bn}, num_stages={dec_stages}, {dec_warps} warps"))
     if spec.kv_dtype is DType.FP8 and dp <= 128 and spec.sparsity is None:
         # FP8 caches on the H100 (2026-11-26; B=8, 32/8 heads, d=128, one token, 8k-32k keys): the
         # bf16 cache's tiles read them at half the rate (each element widened to bf16 costs what its byte saved); 8 warps
@@ -487,4 +515,5 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         decode_block_n=dec_bn,
         decode_num_stages=dec_stages,
         decode_num_warps=dec_warps,
+        decode_v_num_stages=dec_v_stages,
     )

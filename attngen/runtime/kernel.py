@@ -123,8 +123,7 @@ class Kernel:
         if varlen is not None:
             check_packed_features(self.spec, tensors, grad)
         # few queries, nothing to differentiate: the decode kernels (serving.py)
-        decodes = (not grad and varlen is None and not p and block_mask is None and self.spec.sink is None
-                   and takes_plain_call(dims.q_len, dims.kv_len))
+        decodes = not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len)
         if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
             o, lse2 = self._ops().varlen_forward(*packed, tensors, *varlen, p, seed_t)
             return (o, lse2 * LN2) if return_lse else o

@@ -28,9 +28,6 @@ def serving_call(kernel, q, k, v, inputs: dict, kv_lens, q_lens, block_table, dr
                              "@torch.compiler.disable")
     if packed:
         raise InputError("kv_lens, q_lens and block_table do not go with packed sequences (cu_seqlens)")
-    if spec.sink is not None:
-        raise InputError(f"the decode kernels have no sink yet; {spec.name!r} has one, so kv_lens, q_lens and block_table cannot go with it "
-                         f"(call it with whole sequences, or packed ones: cu_seqlens_q/cu_seqlens_k)")
     if spec.sparsity == "runtime" or block_mask is not None:
         raise InputError(f"the decode kernels read no block mask; {spec.name!r} has sparsity = runtime, which kv_lens, q_lens and "
                          f"paged caches do not support yet")
@@ -105,7 +102,10 @@ def decode_impl(kernel, q, k, v, inputs, kv_lens, q_lens, block_table, dims: Dim
     if dims.batch == 0 or dims.q_len == 0 or dims.heads == 0:
         return q.new_zeros((*q.shape[:3], v.shape[-1])), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
     if q.device.type == "cpu" and kernel.spec.dtype is DType.BF16:
-        o, lse = decode_impl(kernel._twin(), *up(q, k, v), up(*inputs), kv_lens, q_lens, block_table, dims, kv_scales)
+        q32, k32, v32 = up(q, k, v)
+        if v.data_ptr() == k.data_ptr() and v.stride() == k.stride():  # V a view of K's first columns stays one
+            v32 = k32[..., :v.shape[-1]]
+        o, lse = decode_impl(kernel._twin(), q32, k32, v32, up(*inputs), kv_lens, q_lens, block_table, dims, kv_scales)
         return o.to(torch.bfloat16), lse
     shape = kernel._decode_shapes.get(dims)
     if shape is None:

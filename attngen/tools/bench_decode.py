@@ -8,7 +8,8 @@ block tables list every sequence's pages in a shuffled order. Peer: FlexAttentio
 which takes its decoding kernel for short queries) with the spec's mask and score (a BlockMask where the mask is
 not all-true), enable_gqa.
 
-The work is reading K and V: bytes = 2 * B * Hkv * N * d * itemsize (q, O and the table are under 0.1 % of that),
+The work is reading K and V: bytes = B * Hkv * N * (d + value_dim) * itemsize (q, O and the table are under 0.1 % of
+that; latent attention, V a view of K's first value_dim columns: B * Hkv * N * d * itemsize, the shared bytes once),
 GB/s = bytes / time, and "% copy" = that rate over the device-to-device copy rate measured in the same run
 (bytes read + written by a 4 GiB copy). Every provider's output is checked against the float32 reference (the
 first sequence, every head) before it is timed; a failure is reported, not timed. Timing: do_bench medians of
@@ -62,11 +63,14 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
 
 def _paged(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generator):
     """k, v (B, Hkv, N, D) as pages of caches in a shuffled order: (k_cache, v_cache, table), written by
-    kvcache.append one sequence at a time (temporaries of one sequence's size)."""
+    kvcache.append one sequence at a time (temporaries of one sequence's size). A v that is a view of k's first
+    columns (latent attention) stays one: v_cache is then the same view of k_cache."""
     B, hkv, n, d = k.shape
     per_seq = -(-n // page_size)
     table = torch.randperm(B * per_seq, generator=gen, device="cpu").view(B, per_seq).to(device="cuda", dtype=torch.int32)
-    k_cache, v_cache = (torch.empty(B * per_seq, page_size, hkv, d, device="cuda", dtype=k.dtype) for _ in range(2))
+    k_cache, v_cache = (torch.empty(B * per_seq, page_size, hkv, x.shape[3], device="cuda", dtype=k.dtype) for x in (k, v))
+    if v.data_ptr() == k.data_ptr():
+        v_cache = k_cache[..., :v.shape[3]]
     start = torch.zeros(1, dtype=torch.int32, device="cuda")
     for b in range(B):
         append(k_cache, v_cache, k[b:b + 1], v[b:b + 1], start, table[b:b + 1])
@@ -80,11 +84,17 @@ def decode_row(kernels: dict, spec: Spec, batch: int, keys: int, queries: int, h
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype.value]
-    d = spec.head_dim
-    nbytes = 2 * batch * kv_heads * keys * d * dtype.itemsize
+    d, dv = spec.head_dim, spec.dv
+    # latent attention (a key tile read in two parts, KernelPlan.decode_tail): V is K's first value_dim columns, a
+    # view of the one cache, whose bytes count once
+    latent = any(kern.plan.decode_tail for kern in kernels.values())
+    nbytes = batch * kv_heads * keys * (d if latent else d + dv) * dtype.itemsize
     layers = max(1, min(MAX_LAYERS, LAYER_BYTES // nbytes))
     q = torch.randn(batch, heads, queries, d, device="cuda", dtype=dtype, generator=gen)
-    caches = [tuple(torch.randn(batch, kv_heads, keys, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2)) for _ in range(layers)]
+    if latent:
+        caches = [(c, c[..., :dv]) for c in (torch.randn(batch, kv_heads, keys, d, device="cuda", dtype=dtype, generator=gen) for _ in range(layers))]
+    else:
+        caches = [tuple(torch.randn(batch, kv_heads, keys, x, device="cuda", dtype=dtype, generator=gen) for x in (d, dv)) for _ in range(layers)]
     lens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
     row = {"spec": spec.name, "B": batch, "N": keys, "Nq": queries, "Hq": heads, "Hkv": kv_heads, "d": d, "bytes": nbytes, "copy_gbs": copy_gbs,
            "layers": layers}

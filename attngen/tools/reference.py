@@ -143,7 +143,11 @@ def _serving_reference(spec, q, k, v, kv_lens, q_lens, block_table, dtype, retur
     for b in range(B):
         nq = Nq if q_lens is None else int(q_lens[b])
         nk = k.shape[2] if kv_lens is None else int(kv_lens[b])
-        if nq == 0 or nk == 0:  # no query or no key: O = 0, lse = -inf
+        if nq == 0:
+            continue
+        if nk == 0:  # no key: O = 0, lse = -inf (the sink where the spec has one)
+            if spec.sink is not None:
+                lse[b, :, :nq] = sink_rows(spec, inputs, 1, Hq, nq, 0, q.device, dtype, first_batch=b)[0]
             continue
         qs, ks, vs = q[b:b + 1, :, :nq], k[b:b + 1, :, :nk], v[b:b + 1, :, :nk]
         p, row_lse = _softmax(spec, qs, ks, dtype, inputs, first_batch=b)

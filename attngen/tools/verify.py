@@ -147,6 +147,8 @@ def _check_serving(kernel, shape: tuple, device: str, seed: int) -> Result:
     else:
         table = {}
         k_cache, v_cache = (torch.full((B, Hkv, Nk, d), float("nan"), device=device).to(cache_dtype) for d in (D, Dv))
+    if kernel.plan.decode_tail:  # latent attention (MLA): V is K's first value_dim columns, passed as a view of the cache
+        v_cache, v = k_cache[..., :Dv], k[..., :Dv]
     lens = lens.to(device)
     # every sequence's Nk keys; those past its length stay unread
     append(k_cache, v_cache, k, v, torch.zeros_like(lens), table.get("block_table"), **scales)

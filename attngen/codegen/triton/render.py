@@ -86,9 +86,10 @@ def context(plan: KernelPlan) -> dict:
         # a block pattern leaves holes (empty tiles) inside the range of tiles a row visits: the loops skip them
         "skip_holes": tile_class is not None and isinstance(spec.sparsity, Expr),
         "decode_code": decode,
-        # runtime block masks are not read by the decode kernels, nor is a sink yet
-        "has_decode": spec.sparsity != "runtime" and spec.sink is None,
+        # runtime block masks are not read by the decode kernels
+        "has_decode": spec.sparsity != "runtime",
         "paged": spec.kv_layout is KVLayout.PAGED,
+        "k_tail": plan.decode_tail > 0,  # the decode kernels read K in two parts (head_dim above 256: MLA)
         "page_size": spec.page_size,
         # whether the tile classes may differ between query heads: then a decode program takes the union over its heads
         "mask_uses_h": plan.mask is not None and "h" in ex.variables(plan.mask),
