@@ -1,7 +1,7 @@
 """Context parallelism (attngen.distributed) over gloo, 2 and 4 processes spawned by the test: every rank's shard of
 O, the lse and dQ, dK, dV, gathered, against the single-process kernel and the float64 reference with the error
 budget of attngen.verify; reruns (RERUN) bit-identical; the masks (causal, window, documents, ALiBi, grouped-query heads,
-dropout) evaluated at positions in the whole sequence. Shapes that cannot be split are refused with a clear error.
+dropout) and a sink evaluated at positions in the whole sequence, the sink's input's gradient summed over the ranks. Shapes that cannot be split are refused with a clear error.
 On the GPU, benchmarks/context_parallel.py runs the same comparison over NCCL (BENCHMARKS.md)."""
 import multiprocessing
 import traceback
@@ -32,13 +32,16 @@ SPECS = {
     "lengths": f"attention lengths {{ {_TILES} dtype = fp32\n mask = q_idx >= kv_idx and q_idx + 8 < kv_len }}",
     # DeepSeek's shape, small: V and O narrower than q and k
     "value_dim": "attention value_dim { head_dim = 32\n value_dim = 16\n block_m = 16\n block_n = 16\n dtype = fp32\n mask = q_idx >= kv_idx }",
+    # a learned sink per head that also reads the row's position in the whole sequence, over a window
+    "sink": f"attention sink {{ {_TILES} dtype = fp32\n input sinks: fp32[H]\n sink = sinks[h] - 0.01 * q_idx\n"
+            f" mask = q_idx >= kv_idx and q_idx - kv_idx < 40 }}",
     "dropout": "attention dropout { head_dim = 16\n block_m = 16\n block_n = 64\n dtype = fp32\n mask = q_idx >= kv_idx\n dropout = 0.2 }",
 }
 B, HQ, HKV, N = 1, 4, 2, 128
 SEED = 1234
 # (spec, layout): run by every world size below; dropout needs 128-token chunks (world 2, contiguous: 256 tokens)
 CASES = [("causal", "zigzag"), ("causal", "contiguous"), ("window", "zigzag"), ("document", "zigzag"), ("alibi", "contiguous"),
-         ("dense_bf16", "zigzag"), ("lengths", "contiguous"), ("value_dim", "zigzag")]
+         ("dense_bf16", "zigzag"), ("lengths", "contiguous"), ("value_dim", "zigzag"), ("sink", "zigzag")]
 
 
 # the cases run twice, to compare bits: both layouts, an input read by the mask, dropout's pattern
@@ -46,21 +49,29 @@ RERUN = {("causal", "zigzag"), ("causal", "contiguous"), ("document", "zigzag"),
 
 
 def _data(name, n):
+    """q, k, v, dO and the spec's inputs; a sink's input requires grad (its gradient is checked too)."""
     spec = attngen.compile(SPECS[name], "h100").spec
     gen = torch.Generator().manual_seed(0)
     dtype = TORCH_DTYPES[spec.dtype.value]
     q, do = (torch.randn(B, HQ, n, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
     k, v = (torch.randn(B, HKV, n, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
-    return q, k, v, do, verify.make_inputs(spec, B, HQ, n, n, "cpu", gen)
+    inputs = verify.make_inputs(spec, B, HQ, n, n, "cpu", gen)
+    if "sinks" in inputs:
+        inputs["sinks"].requires_grad_()
+    return q, k, v, do, inputs
 
 
 def _run(kern, layout, q, k, v, do, inputs, **kw):
-    """This rank's shards through context_parallel, forward and backward; the results gathered whole."""
+    """This rank's shards through context_parallel, forward and backward; the results gathered whole (then the
+    gradients of the inputs that require one, the same on every rank)."""
     cp = attngen.distributed
     leaves = [cp.shard(t, layout).requires_grad_() for t in (q, k, v)]
     o, lse = cp.context_parallel(kern, *leaves, layout=layout, return_lse=True, **kw, **inputs)
     o.backward(cp.shard(do, layout))
-    return [cp.unshard(t.detach(), layout) for t in (o, lse, *(x.grad for x in leaves))]
+    trained = [t.grad.clone() for t in inputs.values() if t.requires_grad]
+    for t in inputs.values():
+        t.grad = None
+    return [cp.unshard(t.detach(), layout) for t in (o, lse, *(x.grad for x in leaves))] + trained
 
 
 def _worker(rank, world, init, out, cases):
@@ -125,18 +136,19 @@ def _check(name, layout, gathered, identical):
     kern = attngen.compile(SPECS[name], "h100")
     n = gathered[0].shape[2]
     q, k, v, do, inputs = _data(name, n)
-    o, lse, dq, dk, dv = gathered
-    assert not any(torch.isnan(t).any() for t in (o, dq, dk, dv)), name
+    o, lse, dq, dk, dv, *d_inputs = gathered
+    assert not any(torch.isnan(t).any() for t in (o, dq, dk, dv, *d_inputs)), name
     dtype = q.dtype
     kw = {"seed": SEED} if name == "dropout" else {}
+    trained = [n for n, t in inputs.items() if t.requires_grad]
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     one, one_lse = kern(*leaves, return_lse=True, **kw, **inputs)
-    one_grads = torch.autograd.grad(one, leaves, do)
+    one_grads = torch.autograd.grad(one, leaves + [inputs[n] for n in trained], do)
     ref_kw = {"dropout_p": kern.spec.dropout, "seed": SEED} if name == "dropout" else {}  # the kernels' own keep pattern
-    wide = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = attngen.reference(kern, *wide, dtype=torch.float64, **ref_kw, **inputs)
-    narrow = [t.clone().requires_grad_() for t in (q, k, v)]
-    naive = attngen.reference(kern, *narrow, dtype=dtype, **ref_kw, **inputs)
+    wide = [t.double().requires_grad_() for t in (q, k, v)] + [inputs[n].detach().double().requires_grad_() for n in trained]
+    ref = attngen.reference(kern, *wide[:3], dtype=torch.float64, **ref_kw, **{**inputs, **dict(zip(trained, wide[3:]))})
+    narrow = [t.clone().requires_grad_() for t in (q, k, v)] + [inputs[n].detach().clone().requires_grad_() for n in trained]
+    naive = attngen.reference(kern, *narrow[:3], dtype=dtype, **ref_kw, **{**inputs, **dict(zip(trained, narrow[3:]))})
     ref_grads = torch.autograd.grad(ref, wide, do.double())
     naive_grads = torch.autograd.grad(naive, narrow, do)
     err, _, bound = _bound(o, naive.detach(), ref.detach(), 2)
@@ -146,8 +158,8 @@ def _check(name, layout, gathered, identical):
     finite = torch.isfinite(one_lse)
     assert torch.equal(torch.isfinite(lse), finite), (name, layout)
     assert (lse[finite] - one_lse[finite]).abs().max() <= 1e-4 * max(1.0, one_lse[finite].abs().max()), (name, layout)
-    for what, g, rg, ng, og in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads, one_grads):
-        err, _, bound = _bound(g, ng, rg, 3, 1.0)
+    for what, g, rg, ng, og in zip(("dq", "dk", "dv", *trained), (dq, dk, dv, *d_inputs), ref_grads, naive_grads, one_grads):
+        err, _, bound = _bound(g, ng, rg, 3, 1.0 if what in ("dq", "dk", "dv") else float(n))
         assert err <= bound, (name, layout, what, err, bound)
         assert (g.float() - og.float()).abs().max() <= 2 * bound, (name, layout, what)
 

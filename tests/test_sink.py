@@ -1,7 +1,7 @@
 """Learnable sinks (`sink = EXPR`, gpt-oss's attention): one more logit in each query row's softmax, with no value.
 Checked against the float64 reference like every spec (O, the lse, every gradient, the sink's inputs' included); a
-row that keeps no key gives O = 0 and lse = its sink, in the training kernels and the decode ones; the spec's errors,
-and the calls that take no sink yet."""
+row that keeps no key gives O = 0 and lse = its sink, in the training kernels and the decode ones; the spec's errors
+(context parallelism: tests/test_distributed.py)."""
 import warnings
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import torch
 
 import attngen
 from attngen.codegen.gluon import choose
-from attngen.errors import InputError, PlanError, SpecError
+from attngen.errors import PlanError, SpecError
 from attngen.lang.check import load_spec
 from attngen.lang.spec import Backend
 from attngen.plan.planner import plan
@@ -171,13 +171,6 @@ def test_what_a_sink_may_not_be(setting, at, message):
     with pytest.raises(SpecError) as info:
         load_spec(text, "s.attn")
     assert str(info.value).startswith(f"s.attn:1:{text.index(setting) + setting.index(at) + 1}: error: {message}"), str(info.value)
-
-
-def test_calls_that_take_no_sink_yet_say_so(target):
-    kern = attngen.compile(GPT_OSS.replace("DT", "fp32"), target)
-    q, k, v = (torch.randn(1, 2, 8, 64) for _ in range(3))
-    with pytest.raises(InputError, match="context_parallel does not take a sink yet"):
-        attngen.distributed.context_parallel(kern, q, k, v, sinks=torch.zeros(2))
 
 
 def test_the_gluon_generator_leaves_a_sink_to_the_triton_one():

@@ -21,6 +21,9 @@ from ..lang.intervals import Truth, tile_env, truth
 from ..lang.spec import DType, KVLayout
 from ..runtime import Kernel
 from ..runtime.checks import Dims, check_call, check_direct_indices, dropout_args
+from ..lang.expr import input_reads
+from ..runtime.evaluate import sink_rows
+from ..runtime.input_grads import LOG2E, reduce_input_grads
 from ..runtime.kernel import LN2
 from ..runtime.shard import shard_backward, shard_forward
 from .layout import Chunk, _group_shape, check_layout, chunks
@@ -85,8 +88,9 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     (B, N)), the same on every rank. return_lse: also this shard's rows' log-sum-exp (natural log). Dropout
     needs an explicit seed, the same on every rank, and chunks of a multiple of 128 tokens.
 
+    A sink joins each row of the merged result once; the inputs it reads get gradients, summed over the ranks.
     Every rank must call it with equal shapes (checked once per group and shapes). Not supported: runtime block
-    sparsity, paged caches, packed sequences, gradients of declared inputs, torch.compile (eager only)."""
+    sparsity, paged caches, packed sequences, gradients of inputs the score reads, torch.compile (eager only)."""
     if not isinstance(kern, Kernel):
         raise InputError(f"context_parallel takes a kernel from attngen.compile, got {type(kern).__name__}")
     if torch.compiler.is_compiling():
@@ -96,8 +100,6 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     spec = kern.spec
     if spec.sparsity == "runtime":
         raise InputError(f"context_parallel does not support runtime block sparsity yet (the spec {spec.name!r} has sparsity = runtime)")
-    if spec.sink is not None:  # each shard's partial softmax would count it: it must join the merged rows once
-        raise InputError(f"context_parallel does not take a sink yet (the spec {spec.name!r} has one)")
     if spec.kv_layout is KVLayout.PAGED:
         raise InputError(f"context_parallel splits training-style attention; the spec {spec.name!r} has kv_layout = paged")
     if spec.dtype is DType.FP8:
@@ -118,12 +120,17 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         if mine[0].length % 128:
             raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
                              f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {mine[0].length}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise InputError("context_parallel does not compute gradients of declared inputs yet; detach them")
+    # the sink's inputs get gradients (summed over the ranks); the score's do not yet
+    sink_reads = {r.input for r in input_reads(spec.sink)} - {g.read.input for g in kern.plan.read_grads}
+    trained = [d.name for d, t in zip(spec.inputs, tensors) if t.requires_grad and d.name not in sink_reads]
+    if torch.is_grad_enabled() and trained:
+        raise InputError(f"context_parallel does not compute gradients of inputs the score reads yet ({', '.join(trained)}); detach them")
     _check_same_shapes(ring, q, k)
     run = _Run(kern, ring, layout, n, tensors, p, seed_t if p else None)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse2 = _RingAttention.apply(run, q, k, v)
+    sink_leaves = [(i, t) for i, (d, t) in enumerate(zip(spec.inputs, tensors)) if d.name in sink_reads and t.requires_grad]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_leaves):
+        run.sink_leaves = [i for i, _ in sink_leaves]
+        o, lse2 = _RingAttention.apply(run, q, k, v, *(t for _, t in sink_leaves))
     else:
         o, lse2 = run.forward(q, k, v)
     return (o, lse2 * LN2) if return_lse else o
@@ -136,6 +143,7 @@ class _Run:
 
     def __init__(self, kern: Kernel, ring: _Ring, layout: str, n: int, inputs: list, dropout_p: float, seed: torch.Tensor | None):
         self.kern, self.ring, self.inputs, self.dropout_p, self.seed = kern, ring, inputs, dropout_p, seed
+        self.sink_leaves: list[int] = []  # which inputs (by position) the sink reads and get gradients
         self.seq_len = n * ring.world
         self.mine = chunks(layout, ring.rank, ring.world, n)
         # step s: the pairs (i, j, positions) of query chunk i and key chunk j of rank r - s whose block the mask does
@@ -179,7 +187,41 @@ class _Run:
             if o_acc[i] is None:
                 o_acc[i] = q.new_zeros((*q.shape[:2], c.length, v.shape[3]), dtype=torch.float32)
                 lse_acc[i] = torch.full((*q.shape[:2], c.length), float("-inf"), device=q.device, dtype=torch.float32)
+        if self.kern.spec.sink is not None:  # one more term of each merged row's softmax, with no value
+            sink = self._sink(q.shape[0], q.shape[1], q.device)
+            for i, c in enumerate(self.mine):
+                _merge(o_acc[i], lse_acc[i], torch.zeros_like(o_acc[i]), sink[:, :, _positions(c)])
         return torch.cat(o_acc, 2).to(q.dtype), torch.cat(lse_acc, 2)
+
+    def _sink(self, batch: int, heads: int, device) -> torch.Tensor:
+        """The sink of every row of the whole sequence (B, H, seq_len), log2 units, float32."""
+        named = {d.name: t.detach() for d, t in zip(self.kern.spec.inputs, self.inputs)}
+        return sink_rows(self.kern.spec, named, batch, heads, self.seq_len, self.seq_len, device, torch.float32) * LOG2E
+
+    def sink_grads(self, o, lse, do, dlse) -> list[torch.Tensor]:
+        """The gradients of the inputs the sink reads (self.sink_leaves), summed over the ranks: each row's d loss /
+        d sink, p_sink * (d loss / d lse - rowsum(dO * O)) with p_sink = 2^(sink - lse), placed at its position in
+        the whole sequence, reduced as one GPU does (runtime/input_grads.py), then all-reduced."""
+        spec = self.kern.spec
+        batch, heads = o.shape[:2]
+        sink = self._sink(batch, heads, o.device)
+        rows = torch.zeros_like(sink)
+        delta = (do.float() * o.float()).sum(-1)
+        for c in self.mine:
+            lse_c = lse[:, :, _rows(c)]
+            p_sink = torch.where(lse_c == float("-inf"), 0.0, torch.exp2(sink[:, :, _positions(c)] - lse_c))
+            d_lse = 0.0 if dlse is None else dlse[:, :, _rows(c)].float() * LOG2E
+            rows[:, :, _positions(c)] = p_sink * (d_lse - delta[:, :, _rows(c)])
+        named = {d.name: t.detach() for d, t in zip(spec.inputs, self.inputs)}
+        dims = Dims(batch, heads, heads, self.seq_len, self.seq_len)
+        grads = reduce_input_grads(spec, dims, named, [], [], rows)
+        out = []
+        for i in self.sink_leaves:
+            g = grads[spec.inputs[i].name].float()
+            if self.ring.world > 1:
+                dist.all_reduce(g, group=self.ring.group)
+            out.append(g.to(self.inputs[i].dtype))
+        return out
 
     def backward(self, q, k, v, o, lse, do, dlse):
         """(dQ, dK, dV) of this rank's shards: dQ summed here, dK and dV summed around the ring in float32."""
@@ -233,6 +275,11 @@ def _rows(c: Chunk) -> slice:
     return slice(c.row, c.row + c.length)
 
 
+def _positions(c: Chunk) -> slice:
+    """The chunk's rows as positions in the whole sequence."""
+    return slice(c.start, c.start + c.length)
+
+
 def _merge(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
     """o_acc, lse_acc (float32, updated in place) := the softmax merge of two partial results over disjoint keys
     (log2 units): lse = log2(2^lse_acc + 2^lse), O = the two O's weighted by 2^(lse_i - lse). Rows with no key
@@ -245,7 +292,7 @@ def _merge(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: tor
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: _Run, q, k, v):
+    def forward(ctx, run: _Run, q, k, v, *sink_inputs):
         ctx.set_materialize_grads(False)
         o, lse = run.forward(q, k, v)
         ctx.run = run
@@ -258,4 +305,4 @@ class _RingAttention(torch.autograd.Function):
         if do is None:  # only the lse reaches the loss; every rank still joins the ring (the others need its part)
             do = torch.zeros_like(o)
         dq, dk, dv = ctx.run.backward(q, k, v, o, lse, do.contiguous(), dlse)
-        return None, dq, dk, dv
+        return None, dq, dk, dv, *(ctx.run.sink_grads(o, lse, do, dlse) if ctx.run.sink_leaves else ())

@@ -44,10 +44,12 @@ def positions_twin(kernel):
     """The same spec's kernels with global positions (KernelPlan.global_positions), for context-parallel shards:
     the Triton generator's, and the Gluon generator's where the kernel's choice of generators took it (the same
     choice for each pass). loop_order = kv_outer is planned q_outer (its forward has no positions; results
-    differ by rounding)."""
+    differ by rounding); a sink is left out (attngen/distributed/ring.py joins it to the merged rows)."""
     spec = kernel.spec
     if spec.loop_order is not LoopOrder.Q_OUTER:
         spec = dataclasses.replace(spec, loop_order=LoopOrder.Q_OUTER)
+    if spec.sink is not None:  # each shard's partial softmax would count it: the ring adds it once to the merged rows
+        spec = dataclasses.replace(spec, sink=None)
     twin_plan = dataclasses.replace(make_plan(spec, kernel.plan.target, classify=kernel.plan.classify), global_positions=True)
     key, source = build_source(twin_plan)
     module = load_module(spec.name, key, source)
