@@ -455,7 +455,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     if d > 256:  # K in two parts (KernelPlan.decode_tail): a tile of value_dim columns (V's too, when V is a view of
         # them) and one of the rest; the rows' O (64 x value_dim float32) takes the registers of 8 warps. Measured on
         # the H200 (2026-11-28; 576 / 512, 128 query heads, B = 8-64, 8192 keys, V a view of K): 32-key tiles in 3
-        # stages 1.2x the speed of 2, 64-key tiles in 2 stages as fast as 32 in 3; 4 warps half the speed of 8
+        # stages 1.22-1.23x the speed of 2, 64-key tiles in 2 stages 0.94-1.04x of that; 4 warps half the speed of 8
         tail_pad = max(MIN_TILE, 1 << (d - dv - 1).bit_length())  # KernelPlan.decode_tail_pad
         dec_q = 64 * (dv + tail_pad) * isz
         extra = 64 * dec_bn * 4 if spec.dtype is DType.FP32 else 0
@@ -468,7 +468,8 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     dec_stages = max(1, min(3 if paged else 4, (smem - dec_q) // dec_stage))
     why_bn = "128 (pages under 128 tokens: a tile gathers several)" if paged and dp <= 128 else "64" if dp <= 128 else "32 (d_pad above 128)"
     steps.append(Step("decode tiles", f"BLOCK_N = {why_bn}; "
-                                      f"num_stages = min({3 if paged else 4}, (smem - Q {dec_q}) // (K+V stage {dec_stage})); measured",
+                                      f"num_stages = min({3 if paged else 4}, (smem - Q {dec_q}) // ({'K stage, V a view of it' if d > 256 else 'K+V stage'} "
+                                      f"{dec_stage})); measured",
                       f"BLOCK_N={dec_bn}, num_stages={dec_stages}, {dec_warps} warps"))
     if spec.kv_dtype is DType.FP8 and dp <= 128 and spec.sparsity is None:
         # FP8 caches on the H100 (2026-11-26; B=8, 32/8 heads, d=128, one token, 8k-32k keys): the
