@@ -64,6 +64,22 @@ def test_a_row_that_keeps_no_key_gives_zero_and_its_sink(target, device):
     assert (o.double() - ref).abs().max() < 1e-4 and (lse.double() - ref_lse).abs().max() < 1e-4
 
 
+def test_the_kv_outer_forward_takes_the_sink(target, device):
+    """loop_order = kv_outer (FlashAttention-1's order) joins the sink to each row when it normalizes: the same O and
+    lse as the q_outer forward (rows that keep no key included), and verify's rule with every gradient."""
+    text = ROWS.replace("DT", "fp32").replace("mask = kv_idx <= q_idx - 3", "mask = kv_idx <= q_idx - 3\n    loop_order = kv_outer")
+    kern = attngen.compile(text, target)
+    q_outer = attngen.compile(ROWS.replace("DT", "fp32"), target)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 40, 32, generator=gen).to(device) for _ in range(3))
+    inputs = {"sinks": torch.randn(4, generator=gen).to(device), "bias": torch.randn(4, generator=gen).to(device)}
+    o, lse = kern(q, k, v, return_lse=True, **inputs)
+    want, want_lse = q_outer(q, k, v, return_lse=True, **inputs)
+    assert not o.isnan().any() and (o - want).abs().max() < 1e-5 and (lse - want_lse).abs().max() < 1e-5
+    result = verify.check_one(kern, verify.CPU_SHAPES[2], device)
+    assert result.ok and not result.nan and "dsinks" in result.errors, verify.format_table(kern.spec.name, [result])
+
+
 def test_a_call_with_no_key_gives_zero_and_the_sink(target, device):
     """kv_len = 0: every row keeps only its sink, so O = 0 and the lse is the sink, and a gradient reaching the lse
     reaches the sinks (d lse / d sink = 1), as the reference says; none reaches q."""
@@ -162,7 +178,6 @@ def test_decoding_over_a_cache_takes_the_sink_once(layout, target, device):
     ("sink = kv_idx", "kv_idx", "'kv_idx' cannot be used in sink"),
     ("sink = score * 2.0", "score", "'score' cannot be used in sink"),
     ("sink = q_idx > 3", "q_idx", "sink must be a number expression of b, h, kv_len, q_idx, q_len and the declared inputs, got bool"),
-    ("loop_order = kv_outer sink = 1.0", "sink", "a sink cannot go with loop_order = kv_outer yet (the kv_outer forward has none)"),
     ("dtype = fp8 sink = 1.0", "sink", "a sink cannot go with dtype = fp8 yet (the FP8 kernels have none)"),
 ])
 def test_what_a_sink_may_not_be(setting, at, message):

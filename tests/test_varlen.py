@@ -36,8 +36,8 @@ def _inputs(kern, device, gen):
 # (and of the static block patterns one, strided_blocks: butterfly's and local_global's tiles are classified by the same
 # code, which test_numerics.py checks for each)
 PACKED_SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.attn")
-                      if p.stem not in ("block_sparse_runtime", "causal_fa1", "causal_dropout", "paged_decode", "butterfly_blocks",
-                                        "local_global_blocks"))
+                      if p.stem not in ("block_sparse_runtime", "causal_fa1", "causal_dropout", "paged_decode", "mla_decode",
+                                        "butterfly_blocks", "local_global_blocks"))
 
 
 QUICK = ("causal", "causal_bottom_right", "sliding_window", "causal_softcap", "key_padding")  # the rest are slow: ~20 s each

@@ -300,8 +300,7 @@ def _build(parsed: ParsedSpec, text: str | None, filename: str | None) -> Spec:
         values["score"] = None if score == Var("score") else score
     if "sink" in seen:  # one logit per query row: it may read b, h, q_idx, the lengths and inputs, not a key or a score
         values["sink"] = _expression(seen["sink"], ex.Scope("sink", ex.SINK_VARS, inputs), Type.FLOAT)
-        for key, bad, why in (("loop_order", values.get("loop_order") is LoopOrder.KV_OUTER, "the kv_outer forward has none"),
-                              ("dtype", values.get("dtype") is DType.FP8, "the FP8 kernels have none")):
+        for key, bad, why in (("dtype", values.get("dtype") is DType.FP8, "the FP8 kernels have none"),):
             if bad:
                 raise SpecError(f"a sink cannot go with {key} = {_word(seen[key])} yet ({why})", seen["sink"].key_span)
     if "sparsity" in seen:

@@ -179,13 +179,17 @@ class Kernel:
         with interpreted_if_cpu(q.device):
             return self.module.attention_forward(q, k, v, *inputs, **extra, varlen=varlen)
 
+    def _named(self, inputs) -> dict:
+        """The declared inputs (given in the spec's order) by name."""
+        return dict(zip((d.name for d in self.spec.inputs), inputs))
+
     def _empty_lse(self, q, inputs, dims: Dims, varlen) -> torch.Tensor:
         """The lse (log2 units) of a call with no work: -inf, or the sink's value where the spec has one and a
         query row has no key (O = 0 there: the sink takes the whole row)."""
         lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
         if self.spec.sink is None or lse.numel() == 0:
             return lse
-        named = dict(zip((d.name for d in self.spec.inputs), inputs))
+        named = self._named(inputs)
         if varlen is None:
             return sink_rows(self.spec, named, *q.shape[:3], 0, q.device, torch.float32) * LOG2E
         bounds = varlen[0].tolist()  # packed sequences, all without keys: each sequence's rows, its b
@@ -203,7 +207,7 @@ class Kernel:
             dq, dk, dv = (torch.zeros_like(t) if varlen is not None else empty_like_layout(t).zero_() for t in (q, k, v))
             if not input_grads:
                 return dq, dk, dv, [t.new_empty(0) for t in floats]
-            named = dict(zip((d.name for d in self.spec.inputs), inputs))
+            named = self._named(inputs)
             # rows with no key: the lse is the sink's (O = 0), so only a gradient reaching the lse reaches the sink
             rows = sink_row_grads(self.spec, dims, named, o, do, lse, dlse) if self.spec.sink is not None and lse.numel() else None
             grads = reduce_input_grads(self.spec, dims, named, [], [], rows)
@@ -232,7 +236,7 @@ class Kernel:
                                               extra)  # with input_grads: the terms too
         if not input_grads:
             return dq, dk, dv, [t.new_empty(0) for t in floats]
-        named = dict(zip((d.name for d in self.spec.inputs), inputs))
+        named = self._named(inputs)
         sink_rows = sink_row_grads(self.spec, dims, named, o, do, lse, dlse) if self.spec.sink is not None else None
         grads = reduce_input_grads(self.spec, dims, named, reads, terms[0] if terms else [], sink_rows)
         return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
