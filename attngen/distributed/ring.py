@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
+from ..lang.expr import input_reads
 from ..lang.intervals import Truth, tile_env, truth
 from ..lang.spec import DType, KVLayout
 from ..runtime import Kernel
 from ..runtime.checks import Dims, check_call, check_direct_indices, dropout_args
-from ..lang.expr import input_reads
 from ..runtime.evaluate import sink_rows
 from ..runtime.input_grads import LOG2E, reduce_input_grads
 from ..runtime.kernel import LN2
