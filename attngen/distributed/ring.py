@@ -23,7 +23,7 @@ from ..lang.spec import DType, KVLayout
 from ..runtime import Kernel
 from ..runtime.checks import Dims, check_call, check_direct_indices, dropout_args
 from ..runtime.evaluate import sink_rows
-from ..runtime.input_grads import LOG2E, reduce_input_grads
+from ..runtime.input_grads import LOG2E, reduce_input_grads, sink_share_grads
 from ..runtime.kernel import LN2
 from ..runtime.shard import shard_backward, shard_forward
 from .layout import Chunk, _group_shape, check_layout, chunks
@@ -206,12 +206,10 @@ class _Run:
         batch, heads = o.shape[:2]
         sink = self._sink(batch, heads, o.device)
         rows = torch.zeros_like(sink)
-        delta = (do.float() * o.float()).sum(-1)
         for c in self.mine:
-            lse_c = lse[:, :, _rows(c)]
-            p_sink = torch.where(lse_c == float("-inf"), 0.0, torch.exp2(sink[:, :, _positions(c)] - lse_c))
-            d_lse = 0.0 if dlse is None else dlse[:, :, _rows(c)].float() * LOG2E
-            rows[:, :, _positions(c)] = p_sink * (d_lse - delta[:, :, _rows(c)])
+            at = _rows(c)
+            rows[:, :, _positions(c)] = sink_share_grads(sink[:, :, _positions(c)], o[:, :, at], do[:, :, at], lse[:, :, at],
+                                                         None if dlse is None else dlse[:, :, at])
         named = {d.name: t.detach() for d, t in zip(spec.inputs, self.inputs)}
         dims = Dims(batch, heads, heads, self.seq_len, self.seq_len)
         grads = reduce_input_grads(spec, dims, named, [], [], rows)

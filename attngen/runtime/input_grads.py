@@ -31,9 +31,6 @@ def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], 
             continue
         if g.kind == "uniform":  # one element per (b, h): the rows' sums
             term = term.sum(2)
-        if _plain(g.read, term.dim()):
-            _add_direct(g.read, term, grads[g.read.input])
-            continue
         _scatter(g.read, term, grads[g.read.input], inputs[g.read.input].shape, dims, index_inputs, scope)
     if row_sink_grads is not None:
         sink_scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
@@ -44,10 +41,7 @@ def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], 
                 continue
             slope = evaluate(read_derivative(spec.sink, sink_scope, read), env, values, sink_scope, torch.float64)
             term = (row_sink_grads.double() * torch.as_tensor(slope, device=row_sink_grads.device).double()).broadcast_to(row_sink_grads.shape)
-            if _plain(read, term.dim()):  # gpt-oss's sinks[h]: the rows' sums per head, on the device
-                _add_direct(read, term, grads[read.input])
-            else:
-                _scatter(read, term, grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
+            _scatter(read, term, grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
     return {name: g.to(inputs[name].dtype) for name, g in grads.items()}
 
 
@@ -58,7 +52,12 @@ def sink_row_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], o: t
     row's softmax, O's rows shrink by it (d O / d sink = -p_sink O) and the lse grows (d lse / d sink = p_sink), so
     p_sink * (d loss / d lse - rowsum(dO * O)), with the lse in natural-log units."""
     sink = sink_rows(spec, {n: t.detach() for n, t in inputs.items()}, *lse.shape, dims.kv_len, lse.device, torch.float32)
-    p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp2(sink * LOG2E - lse))
+    return sink_share_grads(sink * LOG2E, o, do, lse, dlse)
+
+
+def sink_share_grads(sink: torch.Tensor, o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """sink_row_grads from the rows' sinks already evaluated (log2 units, as the lse)."""
+    p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp2(sink - lse))
     delta = (do.float() * o.float()).sum(-1)
     return p_sink * ((0.0 if dlse is None else dlse.float() * LOG2E) - delta)
 
@@ -72,7 +71,11 @@ def _axes_env(term: torch.Tensor, dims: Dims) -> dict:
 
 def _scatter(read: Index, term: torch.Tensor, grad: torch.Tensor, shape, dims: Dims, inputs: dict, scope: Scope) -> None:
     """grad[read's indices at each element of the term] += that element: the indices evaluated at every (b, h[,
-    q_idx, kv_idx]) of the term; a read outside the input was 0 there, so it gets no gradient."""
+    q_idx, kv_idx]) of the term; a read outside the input was 0 there, so it gets no gradient. A read at plain
+    indices (gpt-oss's sinks[h]) is the term summed along the other axes instead, on the device."""
+    if _plain(read, term.dim()):
+        _add_direct(read, term, grad)
+        return
     env = _axes_env(term, dims)
     valid = torch.ones(term.shape, dtype=torch.bool, device=term.device)
     flat = torch.zeros(term.shape, dtype=torch.long, device=term.device)
