@@ -57,7 +57,11 @@ def test_every_plan_is_buildable(target, dtype, d):
     isz = spec.dtype.itemsize
     # the pipelined forward fits in the block's shared memory (fp32 also passes P through it)
     p_tile = p.block_m * p.block_n * 4 if dtype == "fp32" else 0
-    assert p.block_m * p.head_dim_pad * isz + p_tile + p.num_stages * 2 * p.block_n * p.head_dim_pad * isz <= tgt.smem_per_block
+    # a Q or K tile's columns: head_dim_pad, or with q.k in two products their two parts (80 = 64 + 16 where one product
+    # takes 128; 17 stays one product: 16 + 1 padded to 16 would take 32 columns too)
+    qk = p.head_lead + p.head_tail_pad if p.head_tail else p.head_dim_pad
+    assert qk >= d and qk <= p.head_dim_pad and (p.head_tail == 0) == (d in (16, 17, 64, 128, 200, 256))
+    assert p.block_m * qk * isz + p_tile + p.num_stages * p.block_n * (qk + p.value_dim_pad) * isz <= tgt.smem_per_block
     assert 1 <= p.num_stages <= 3 and p.num_warps in (4, 8)
 
 

@@ -149,3 +149,40 @@ def test_the_gluon_generator_leaves_a_value_dim_to_the_triton_one():
     assert p.head_dim_pad == 256 and p.value_dim_pad == 128 and "value_dim 128 (padded to 128)" in p.describe()
     same = plan(dataclasses.replace(spec, value_dim=None), "h100")
     assert p.num_stages >= same.num_stages  # V's stage is narrower: never fewer stages than with V as wide as K
+
+
+# q.k over a head_dim that is not a power of two as two products (KernelPlan.head_tail): 48 = 32 + 16, and 40 = 32 + 8
+# with the tail padded to 16; with V as wide as K and with a value_dim of its own
+SPLIT = {
+    "48_causal": (48, 48, "causal"),
+    "40_window_sink_v16": (40, 16, "window_sink"),
+    "48_documents_v32": (48, 32, "documents"),
+    "40_alibi_dropout": (40, 40, "alibi_dropout"),
+    "48_kv_outer_v16": (48, 16, "kv_outer"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_q_k_in_two_products_is_exact_forward_and_backward(name, device, dtypes, target):
+    """The kernels of a head_dim taken as two products (Q's, K's, dQ's and dK's tiles in two parts, the tail padded or
+    not) against the float64 reference: O, the lse and every gradient within verify's budget, no NaN."""
+    head_dim, value_dim, mask = SPLIT[name]
+    shapes = verify.CPU_SHAPES[:2] if device == "cpu" else verify.CUDA_SHAPES
+    for dtype in dtypes[:1] if device == "cpu" else dtypes:
+        kern = attngen.compile(_spec(MASKS[mask], value_dim, dtype, head_dim), target)
+        assert kern.plan.head_lead == 32 and kern.plan.head_tail == head_dim - 32 and "q_lead" in kern.source
+        results = [verify.check_one(kern, shape, device, backward=mask != "kv_outer" or device == "cuda") for shape in shapes]
+        assert all(r.ok and not r.nan for r in results), verify.format_table(f"{name} {dtype}", results)
+
+
+def test_deepseek_s_192_is_two_products_of_128_and_64():
+    """192 = 128 + 64: a Q or K tile of 192 columns, not 256, in the plan's registers and shared memory and in the
+    source; the other widths keep one product."""
+    p = plan(load_spec(_spec(MASKS["causal"], 128, "bf16", 192)), "h100")
+    assert (p.head_lead, p.head_tail, p.head_tail_pad) == (128, 64, 64)
+    assert "q.k in two products" in p.describe() and "d_qk = 192" in p.describe()
+    source = attngen.compile(_spec(MASKS["causal"], 128, "bf16", 192), "h100").source
+    assert "HEAD_LEAD = tl.constexpr(128)" in source and "tl.dot(q_tail, tl.trans(k_tail), tl.dot(q_lead" in source
+    assert "dk_tail = tl.zeros([BLOCK_N, HEAD_TAIL_PAD]" in source and "dq_tail = tl.zeros([BLOCK_M, HEAD_TAIL_PAD]" in source
+    for d in (32, 64, 112, 128, 200, 256):
+        assert plan(load_spec(f"attention a {{ head_dim = {d} }}"), "h100").head_tail == 0

@@ -140,7 +140,23 @@ class KernelPlan:
     @property
     def decode_tail_pad(self) -> int:
         """decode_tail padded to a power of two (tl.arange's), 0 without a tail."""
-        return max(MIN_TILE, 1 << (self.decode_tail - 1).bit_length()) if self.decode_tail else 0
+        return _pad(self.decode_tail) if self.decode_tail else 0
+
+    @property
+    def head_tail(self) -> int:
+        """The training kernels take q.k as two products where that pads less than one (split_head_dim): over the
+        first head_lead columns and the head_tail after them, padded to head_tail_pad. 0 for one product."""
+        return split_head_dim(self.head_dim)[1]
+
+    @property
+    def head_lead(self) -> int:
+        """With a head_tail, the columns of q.k's first product (the largest power of two below head_dim)."""
+        return self.head_dim - self.head_tail if self.head_tail else 0
+
+    @property
+    def head_tail_pad(self) -> int:
+        """head_tail padded to a power of two (tl.arange's), 0 without a tail."""
+        return _pad(self.head_tail) if self.head_tail else 0
 
     @property
     def loop_order(self) -> LoopOrder:
@@ -208,6 +224,23 @@ class KernelPlan:
         if self.spec.kv_layout is KVLayout.PAGED:
             lines.append(f"kv_layout = paged ({self.spec.page_size}-token pages): every call runs the decode kernels (forward only)")
         return "\n".join(lines)
+
+
+def split_head_dim(d: int) -> tuple[int, int]:
+    """(lead, tail): q.k over a head_dim that is not a power of two as two products, over its first `lead` columns (the
+    largest power of two below d) and the `tail` after them (padded to a power of two), where those pad less than
+    one product of d rounded up: DeepSeek's 192 = 128 + 64 is 192 columns of work where one product takes 256, and
+    80 = 64 + 16 takes 80 where one takes 128. (d, 0) where one product pads as little (powers of two, 24, 112, 200)
+    and above 256 (decoding only: KernelPlan.decode_tail)."""
+    lead = 1 << (d.bit_length() - 1)
+    if d > 256 or lead == d or lead + _pad(d - lead) >= _pad(d):
+        return d, 0
+    return lead, d - lead
+
+
+def _pad(n: int) -> int:
+    """n rounded up to a power of two, at least MIN_TILE: the columns of a tile that holds n."""
+    return max(MIN_TILE, 1 << (n - 1).bit_length())
 
 
 def _pow2_floor(n: int) -> int:
@@ -298,6 +331,12 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     steps.append(Step("on-chip memory per block", f"{smem} bytes / {isz} bytes per {spec.dtype.value}", f"M = {M} elements"))
     if dp != d:
         steps.append(Step("padded head dim", f"next power of two >= {d}", f"d_pad = {dp}"))
+    lead, tail = split_head_dim(d)
+    dqk = lead + _pad(tail) if tail else dp  # the columns of a Q or K tile in the training kernels
+    qkn = "d_qk" if tail else "d_pad"
+    if tail:
+        steps.append(Step("q.k in two products", f"{d} = {lead} + {tail}" + (f" (padded to {_pad(tail)})" if _pad(tail) != tail else "")
+                          + f": {dqk} columns where one product takes {dp}", f"d_qk = {dqk}"))
     dv = spec.dv  # V's and O's columns: the value tile, the accumulators of O and dV, and dO are dv_pad wide
     dvp = max(MIN_TILE, 1 << (dv - 1).bit_length())
     if dv != d:
@@ -341,19 +380,19 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
     if spec.num_warps is not None:
         steps.append(Step("num_warps override", "spec: num_warps", f"{spec.num_warps}"))
         warps = spec.num_warps
-    # Live in registers per program: acc (BM x d_pad fp32), the score tile (BM x BN fp32) and the query tile.
+    # Live in registers per program: acc (BM x dv_pad fp32), the score tile (BM x BN fp32) and the query tile.
     while True:
-        live = bm * dvp + bm * bn + bm * dp * isz // 4
+        live = bm * dvp + bm * bn + bm * dqk * isz // 4
         regs = _regs(live, warps)
         if regs <= REG_BUDGET or (bn == MIN_TILE and bm == MIN_TILE) or spec.block_m or spec.block_n:
             break
         if bn > 32 and bn >= bm // 2:
-            steps.append(Step("registers", f"(BM*d_pad + BM*BN + q tile) / {32 * warps} threads = {regs} > {REG_BUDGET}", f"BLOCK_N {bn} -> {bn // 2}"))
+            steps.append(Step("registers", f"(BM*dv_pad + BM*BN + q tile) / {32 * warps} threads = {regs} > {REG_BUDGET}", f"BLOCK_N {bn} -> {bn // 2}"))
             bn //= 2
         else:
-            steps.append(Step("registers", f"(BM*d_pad + BM*BN + q tile) / {32 * warps} threads = {regs} > {REG_BUDGET}", f"BLOCK_M {bm} -> {bm // 2}"))
+            steps.append(Step("registers", f"(BM*dv_pad + BM*BN + q tile) / {32 * warps} threads = {regs} > {REG_BUDGET}", f"BLOCK_M {bm} -> {bm // 2}"))
             bm //= 2
-    steps.append(Step("forward registers", f"(BM*d_pad + BM*BN + q tile) / {32 * warps} threads", f"{regs} per thread"))
+    steps.append(Step("forward registers", f"(BM*dv_pad + BM*BN + q tile) / {32 * warps} threads", f"{regs} per thread"))
 
     # fp32 products (input_precision="ieee") feed P to the second product through shared memory; 16-bit P stays in
     # registers. Measured on the H100: fp32 at d=64 with 3 stages needed 246016 bytes where Q + 3 K/V stages are 212992.
@@ -365,7 +404,7 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         return 1 if spec.dropout > 0.0 and bn < 64 else 0
 
     def smem_use(bm: int, bn: int) -> tuple[int, int]:
-        return bm * dp * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0) + bm * bn * keep_bytes(bn), bn * (dp + dvp) * isz
+        return bm * dqk * isz + (bm * bn * 4 if spec.dtype is DType.FP32 else 0) + bm * bn * keep_bytes(bn), bn * (dqk + dvp) * isz
 
     q_bytes, stage_bytes = smem_use(bm, bn)
     while (smem - q_bytes) // stage_bytes < 1 and max(bm, bn) > MIN_TILE and not (spec.block_m or spec.block_n):
@@ -390,15 +429,15 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         steps.append(Step("num_stages override", "spec: num_stages", f"{spec.num_stages}"))
         stages_c = spec.num_stages
 
-    # Backward, dK/dV kernel: dK and dV accumulators (2 x BN x d_pad fp32) plus the transposed score and dP tiles.
+    # Backward, dK/dV kernel: dK and dV accumulators (BN x d_qk and BN x dv_pad fp32) plus the transposed score and dP tiles.
     bwd_warps = 8 if dp >= 64 else 4
     kbn = min(bn if spec.block_n else MAX_TILE, max(MIN_TILE, _pow2_floor(b_c)))
     kbm = 64
-    while _regs(kbn * (dp + dvp) + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbm > MIN_TILE:
+    while _regs(kbn * (dqk + dvp) + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbm > MIN_TILE:
         kbm //= 2
-    while _regs(kbn * (dp + dvp) + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbn > MIN_TILE:
+    while _regs(kbn * (dqk + dvp) + 2 * kbn * kbm, bwd_warps) > REG_BUDGET and kbn > MIN_TILE:
         kbn //= 2
-    steps.append(Step("backward dK/dV tiles", f"(2*BN*d_pad + 2*BN*BM) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_N={kbn}, BLOCK_M={kbm}"))
+    steps.append(Step("backward dK/dV tiles", f"(BN*({qkn} + dv_pad) + 2*BN*BM) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_N={kbn}, BLOCK_M={kbm}"))
     if tgt.arch >= 90 and dp == 128 and spec.dtype is not DType.FP32 and not spec.block_n:
         # a sweep on the H100 (2026-11-22): of 18 dK/dV configs at d=128 in bf16, 64x32 tiles with 4 warps were
         # the fastest for causal (1.09x the rule above) and sliding-window (1.12x) masks
@@ -409,23 +448,29 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         # with 4 warps beat the rule's 128x64 with 8 on dense and causal at N = 4096 and 16384 (1.02-1.10x the backward)
         kbn, kbm, dkdv_warps = 64, 64, 4
         steps.append(Step("backward dK/dV tiles, measured", "best of a tile sweep at d=64, bf16, sm_90", "BLOCK_N=64, BLOCK_M=64, 4 warps"))
+    elif tgt.arch >= 90 and tail and dp == 256 and spec.dtype is not DType.FP32 and not spec.block_n:
+        # a sweep on the H200 (2026-11-29; 192 = 128 + 64 with value_dim 128, causal, bf16, N = 4096): of 24 dK/dV
+        # configs, 128-key tiles streaming 32 query rows with 8 warps were the fastest (the whole backward 1.59 ms;
+        # 2.26x the rule's 64 x 16 with 8 warps); 64 x 16 with 4 warps 1.05x slower, 128 x 64 1.06x
+        kbn, kbm, dkdv_warps = 128, 32, 8
+        steps.append(Step("backward dK/dV tiles, measured", "best of a tile sweep at d_qk = 192, bf16, sm_90", "BLOCK_N=128, BLOCK_M=32, 8 warps"))
     else:
         dkdv_warps = bwd_warps
-    # dQ kernel: dQ accumulator (BM x d_pad) plus score and dP tiles (BM x BN).
+    # dQ kernel: dQ accumulator (BM x d_qk) plus score and dP tiles (BM x BN).
     qbm, qbn = bm, 64
-    while _regs(qbm * dp + 2 * qbm * qbn, bwd_warps) > REG_BUDGET and qbn > MIN_TILE:
+    while _regs(qbm * dqk + 2 * qbm * qbn, bwd_warps) > REG_BUDGET and qbn > MIN_TILE:
         qbn //= 2
-    while _regs(qbm * dp + 2 * qbm * qbn, bwd_warps) > REG_BUDGET and qbm > MIN_TILE:
+    while _regs(qbm * dqk + 2 * qbm * qbn, bwd_warps) > REG_BUDGET and qbm > MIN_TILE:
         qbm //= 2
-    steps.append(Step("backward dQ tiles", f"(BM*d_pad + 2*BM*BN) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_M={qbm}, BLOCK_N={qbn}"))
+    steps.append(Step("backward dQ tiles", f"(BM*{qkn} + 2*BM*BN) / {32 * bwd_warps} threads <= {REG_BUDGET}", f"BLOCK_M={qbm}, BLOCK_N={qbn}"))
     # as the forward: two warp groups for 128-row query tiles. `attngen tune` on the H100 moved d=64's 64-row dQ
     # tiles from 8 warps to 4: the whole backward 1.31x (dense) and 1.33x (causal) faster at N=4096
     dq_warps = 8 if qbm >= 128 or dp >= 256 else 4
     steps.append(Step("backward dQ num_warps", "8 if BLOCK_M >= 128 or d_pad >= 256 else 4", f"{dq_warps}"))
-    resident = kbn * (dp + dvp) * isz + (2 * kbn * max(kbm, qbn) * 4 if spec.dtype is DType.FP32 else 0)  # fp32: P and dS via smem
+    resident = kbn * (dqk + dvp) * isz + (2 * kbn * max(kbm, qbn) * 4 if spec.dtype is DType.FP32 else 0)  # fp32: P and dS via smem
     # dropout: dK/dV transposes its keep tile (as float32 Z) through shared memory; dQ's is cut from a group when small
     resident += max(4 * kbm * kbn, qbm * qbn * keep_bytes(qbn)) if spec.dropout > 0.0 else 0
-    bwd_stage = kbm * (dp + dvp) * isz
+    bwd_stage = kbm * (dqk + dvp) * isz
     bwd_stages = max(1, min(MAX_STAGES, (smem - resident) // bwd_stage))
     steps.append(Step("backward num_stages", f"min({MAX_STAGES}, (smem - K,V{' - P,dS' if spec.dtype is DType.FP32 else ''} {resident}) // (Q+dO stage {bwd_stage}))", f"{bwd_stages}"))
 

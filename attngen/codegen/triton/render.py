@@ -68,6 +68,9 @@ def context(plan: KernelPlan) -> dict:
         "q_pos": " + q_offset" if plan.global_positions else "",
         "kv_pos": " + kv_offset" if plan.global_positions else "",
         "pad_d": plan.head_dim_pad != plan.head_dim,
+        # the training kernels take q.k in two products (q_lead / q_tail ...): KernelPlan.head_tail
+        "head_split": plan.head_tail > 0,
+        "head_tail_padded": plan.head_tail_pad != plan.head_tail,
         # V and O have value_dim columns of their own (offs_dv, VALUE_DIM): the templates say so only then
         "split_v": plan.value_dim != plan.head_dim,
         "pad_dv": plan.value_dim_pad != plan.value_dim,
