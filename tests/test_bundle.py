@@ -221,12 +221,13 @@ def test_the_bundle_lookup_returns_the_bundles_binary(built, tmp_path):
 @pytest.mark.parametrize("spec, flags", [
     ("causal_dropout.attn", {"DROPOUT": {True, False}}),
     ("relative_bias.attn", {"INPUT_GRADS": {True, False}}),
+    ("sink_window.attn", {"SINK_GRADS": {True, False}}),
     ("block_sparse_runtime.attn", {}),
     ("document.attn", {}),
 ])
 def test_recording_covers_every_flag_the_spec_implies(spec, flags):
     """The specializations a build compiles (no compiling here): each kernel of the module, and both values of
-    the flags the launchers set (dropout on/off, input gradients on/off); none depends on the sequence length,
+    the flags the launchers set (dropout on/off, input gradients on/off, the sink's gradients on/off); none depends on the sequence length,
     head count or seed value (they are not specialized), so three sequence lengths give few binaries."""
     from attngen.lang.check import read_spec
     from attngen.plan.planner import plan

@@ -141,8 +141,10 @@ def record_launches(kernel_plan, module, arch: int) -> list[Launch]:
             for p, seed in ([(spec.dropout, 1), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
                 extra = kern._extra(*dropout_args(spec, p, seed, q.device), block_mask, Dims(*shape), q.device)
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra)
-                for input_grads in ([False, True] if kernel_plan.read_grads else [False]) if not fp8 else ():
-                    grads = {"input_grads": True} if input_grads else {}
+                for input_grads in ([False, True] if kernel_plan.read_grads or spec.sink is not None else [False]) if not fp8 else ():
+                    grads = {"input_grads": True} if input_grads and kernel_plan.read_grads else {}
+                    if input_grads and spec.sink is not None:  # the pre-pass writing each row's gradient of its sink
+                        grads["sink_grads"] = torch.empty(lse.shape, device=lse.device, dtype=torch.float32)
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **grads, **extra)
         for q, k, v, varlen, tensors, dims in _packed_calls(spec) if takes_packed(spec) else ():
             for p, seed in ([(spec.dropout, 1), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):

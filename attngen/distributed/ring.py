@@ -23,7 +23,7 @@ from ..lang.spec import DType, KVLayout
 from ..runtime import Kernel
 from ..runtime.checks import Dims, check_call, check_direct_indices, dropout_args
 from ..runtime.evaluate import sink_rows
-from ..runtime.input_grads import LOG2E, reduce_input_grads, sink_share_grads
+from ..runtime.input_grads import LOG2E, reduce_input_grads, row_delta, sink_share_grads
 from ..runtime.kernel import LN2
 from ..runtime.shard import shard_backward, shard_forward
 from .layout import Chunk, _group_shape, check_layout, chunks
@@ -208,8 +208,8 @@ class _Run:
         rows = torch.zeros_like(sink)
         for c in self.mine:
             at = _rows(c)
-            rows[:, :, _positions(c)] = sink_share_grads(sink[:, :, _positions(c)], o[:, :, at], do[:, :, at], lse[:, :, at],
-                                                         None if dlse is None else dlse[:, :, at])
+            delta = row_delta(o[:, :, at], do[:, :, at], None if dlse is None else dlse[:, :, at])
+            rows[:, :, _positions(c)] = sink_share_grads(sink[:, :, _positions(c)], lse[:, :, at], delta)
         named = {d.name: t.detach() for d, t in zip(spec.inputs, self.inputs)}
         dims = Dims(batch, heads, heads, self.seq_len, self.seq_len)
         grads = reduce_input_grads(spec, dims, named, [], [], rows)

@@ -35,31 +35,50 @@ def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], 
     if row_sink_grads is not None:
         sink_scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
         values = {name: t.detach() for name, t in inputs.items()}
-        env = _axes_env(row_sink_grads, dims)
-        for read in input_reads(spec.sink):
+        for read, slope in _sink_slopes(spec):
             if not inputs[read.input].is_floating_point():
                 continue
-            slope = evaluate(read_derivative(spec.sink, sink_scope, read), env, values, sink_scope, torch.float64)
-            term = (row_sink_grads.double() * torch.as_tensor(slope, device=row_sink_grads.device).double()).broadcast_to(row_sink_grads.shape)
+            if isinstance(slope, Const):  # gpt-oss's sinks[h]: d sink / d read = 1, nothing to evaluate
+                term = row_sink_grads.double() * slope.value
+            else:
+                slope = evaluate(slope, _axes_env(row_sink_grads, dims), values, sink_scope, torch.float64)
+                term = (row_sink_grads.double() * torch.as_tensor(slope, device=row_sink_grads.device).double()).broadcast_to(row_sink_grads.shape)
             _scatter(read, term, grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
     return {name: g.to(inputs[name].dtype) for name, g in grads.items()}
 
 
-def sink_row_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-                   dlse: torch.Tensor | None) -> torch.Tensor:
-    """d loss / d sink of each query row, (B, H, Nq) float32, from the forward's O and lse (log2 units) and the
-    gradients dO and dlse (log2 units, or None) reaching them: with p_sink = exp(sink - lse) the sink's share of the
-    row's softmax, O's rows shrink by it (d O / d sink = -p_sink O) and the lse grows (d lse / d sink = p_sink), so
-    p_sink * (d loss / d lse - rowsum(dO * O)), with the lse in natural-log units."""
+_SLOPES: dict[int, tuple[Spec, tuple]] = {}  # id(spec) -> (spec, its sink's reads and slopes); hashing a spec costs more
+
+
+def _sink_slopes(spec: Spec) -> tuple:
+    """Each input read of the spec's sink with d sink / d read (an expression), derived once per spec object."""
+    entry = _SLOPES.get(id(spec))
+    if entry is None or entry[0] is not spec:
+        scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
+        entry = _SLOPES[id(spec)] = (spec, tuple((read, read_derivative(spec.sink, scope, read)) for read in input_reads(spec.sink)))
+    return entry[1]
+
+
+def sink_row_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink of each query row, (B, H, Nq) float32, from the forward's lse (log2 units) and the backward's
+    delta of each row (row_delta: the Triton backward's pre-pass writes it): with p_sink = exp(sink - lse) the sink's
+    share of the row's softmax, O's rows shrink by it (d O / d sink = -p_sink O) and the lse grows (d lse / d sink =
+    p_sink), so p_sink * (d loss / d lse - rowsum(dO * O)) = -p_sink * delta, with the lse in natural-log units."""
     sink = sink_rows(spec, {n: t.detach() for n, t in inputs.items()}, *lse.shape, dims.kv_len, lse.device, torch.float32)
-    return sink_share_grads(sink * LOG2E, o, do, lse, dlse)
+    return sink_share_grads(sink * LOG2E, lse, delta)
 
 
-def sink_share_grads(sink: torch.Tensor, o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+def sink_share_grads(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """sink_row_grads from the rows' sinks already evaluated (log2 units, as the lse)."""
     p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp2(sink - lse))
+    return -p_sink * delta
+
+
+def row_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """Each row's rowsum(dO * O) - dlse * log2(e) in float32 (dlse: the gradient reaching the lse, log2 units, or
+    None), as the Triton backward's pre-pass computes it, for rows no backward kernel ran over."""
     delta = (do.float() * o.float()).sum(-1)
-    return p_sink * ((0.0 if dlse is None else dlse.float() * LOG2E) - delta)
+    return delta if dlse is None else delta - dlse.float() * LOG2E
 
 
 def _axes_env(term: torch.Tensor, dims: Dims) -> dict:

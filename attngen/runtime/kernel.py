@@ -27,7 +27,7 @@ from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .evaluate import sink_rows
 from .fp8 import dequantize, fp8_call
-from .input_grads import LOG2E, reduce_input_grads, sink_row_grads
+from .input_grads import LOG2E, reduce_input_grads, row_delta, sink_row_grads
 from .layout import empty_like_layout
 from .loader import check_device, interpreted_if_cpu, is_sm90
 from .packed import check_packed, check_packed_features
@@ -209,7 +209,7 @@ class Kernel:
                 return dq, dk, dv, [t.new_empty(0) for t in floats]
             named = self._named(inputs)
             # rows with no key: the lse is the sink's (O = 0), so only a gradient reaching the lse reaches the sink
-            rows = sink_row_grads(self.spec, dims, named, o, do, lse, dlse) if self.spec.sink is not None and lse.numel() else None
+            rows = sink_row_grads(self.spec, dims, named, lse, row_delta(o, do, dlse)) if self.spec.sink is not None and lse.numel() else None
             grads = reduce_input_grads(self.spec, dims, named, [], [], rows)
             return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
         device = q.device
@@ -231,14 +231,15 @@ class Kernel:
         reads = self.plan.read_grads
         if input_grads and reads:
             extra["input_grads"] = True
+        if input_grads and self.spec.sink is not None:  # each row's gradient of its sink, which the pre-pass writes
+            extra["sink_grads"] = torch.empty(lse.shape, device=device, dtype=torch.float32)
         flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
         dq, dk, dv, *terms = self._run_triton("bwd", self.module.attention_backward, dims, flags, (q, k, v, o, lse, do, dlse, *inputs),
                                               extra)  # with input_grads: the terms too
         if not input_grads:
             return dq, dk, dv, [t.new_empty(0) for t in floats]
         named = self._named(inputs)
-        sink_rows = sink_row_grads(self.spec, dims, named, o, do, lse, dlse) if self.spec.sink is not None else None
-        grads = reduce_input_grads(self.spec, dims, named, reads, terms[0] if terms else [], sink_rows)
+        grads = reduce_input_grads(self.spec, dims, named, reads, terms[0] if terms else [], extra.get("sink_grads"))
         return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
 
     def _triton_forward(self, dims: Dims, extra: dict, q, k, v, inputs):
