@@ -188,12 +188,49 @@ def test_what_a_sink_may_not_be(setting, at, message):
     assert str(info.value).startswith(f"s.attn:1:{text.index(setting) + setting.index(at) + 1}: error: {message}"), str(info.value)
 
 
-def test_the_gluon_generator_leaves_a_sink_to_the_triton_one():
+def test_the_gluon_generator_takes_a_sink_but_not_beside_a_separable_bias():
+    """The Gluon forward starts each row's softmax from its sink as the Triton one does (its numerics: the GPU tests of
+    tests/test_gluon.py, which take specs/sink_window.attn); a sink beside a score modification the Gluon kernels add
+    as a separable bias (ALiBi) is left to the Triton generator, with the reason."""
     spec = load_spec(GPT_OSS.replace("DT", "bf16"))
-    choice = choose(spec, plan(spec, "h100"))
-    assert (choice.generator, choice.backward) == ("triton", "triton") and "a sink" in choice.reason
-    with pytest.raises(PlanError, match="a sink"):
-        choose(spec, plan(spec, "h100"), Backend.GLUON)
+    assert choose(spec, plan(spec, "h100"), Backend.GLUON).generator == "gluon"
+    # auto, from gpt-oss's layers measured both ways: the window's stay with the Triton generator, causal ones take
+    # the Gluon generator from 16384 keys
+    auto = choose(spec, plan(spec, "h100"))
+    assert auto.generator == "triton" and "a sink with a mask other than causal's at head_dim 64" in auto.reason
+    causal = load_spec(GPT_OSS.replace("DT", "bf16").replace(" and kv_idx > q_idx - 16", ""))
+    auto = choose(causal, plan(causal, "h100"))
+    assert (auto.forward_at(8192), auto.forward_at(16384), auto.backward_at(16384)) == ("triton", "gluon", "gluon")
+    alibi = load_spec(GPT_OSS.replace("DT", "bf16").replace("    sink = sinks[h]", "    sink = sinks[h]\n    score = score - 0.1 * (q_idx - kv_idx)"))
+    with pytest.raises(PlanError, match="a sink with a score modification it adds as a separable bias"):
+        choose(alibi, plan(alibi, "h100"), Backend.GLUON)
+
+
+@pytest.mark.parametrize("dlse", [False, True])
+def test_the_pre_pass_alone_gives_each_row_s_sink_gradient(dlse, target, device):
+    """attention_sink_grads, the Triton module's pre-pass alone (the Gluon generator's backward leaves the sink's
+    gradient to it): each row's d loss / d sink = -p_sink * (rowsum(dO * O) - dlse * log2(e)), p_sink = 2^(sink * log2(e)
+    - lse), against that formula in float64, for a sink that reads q_idx and kv_len; a row whose lse is -inf gets 0."""
+    from attngen.runtime.loader import interpreted_if_cpu
+
+    text = ("attention s { head_dim = 32 dtype = fp32 input sinks: fp32[H]\n sink = sinks[h] - 0.01 * q_idx + 0.001 * kv_len\n"
+            " mask = q_idx >= kv_idx }")
+    kern = attngen.compile(text, target)
+    gen = torch.Generator().manual_seed(5)
+    B, H, N, NK = 2, 3, 37, 45
+    o, do = (torch.randn(B, H, N, 32, generator=gen).to(device) for _ in range(2))
+    lse = (torch.randn(B, H, N, generator=gen) + 2.0).to(device)
+    lse[1, 2, 4] = float("-inf")
+    grad_lse = torch.randn(B, H, N, generator=gen).to(device) if dlse else None
+    sinks = torch.randn(H, generator=gen).to(device)
+    with interpreted_if_cpu(o.device):
+        got = kern.module.attention_sink_grads(o, do, lse, grad_lse, NK, sinks)
+    sink = sinks.double()[None, :, None] - 0.01 * torch.arange(N, device=device).double() + 0.001 * NK
+    p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp2(sink * 1.4426950408889634 - lse.double()))
+    delta = (o.double() * do.double()).sum(-1) - (grad_lse.double() * 1.4426950408889634 if dlse else 0.0)
+    want = -p_sink * delta
+    assert got.shape == (B, H, N) and not got.isnan().any() and got[1, 2, 4] == 0
+    assert (got.double() - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item())
 
 
 def test_flex_with_the_sink_applied_outside_matches_the_reference():

@@ -217,12 +217,17 @@ class Kernel:
             dq, dk, dv, grads = self._twin()._backward_impl(*up(q, k, v, o), lse, *up(do), dlse, up(*inputs), dropout_p, seed,
                                                             block_mask, input_grads, varlen)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), [g.to(t.dtype) for g, t in zip(grads, floats)]
-        if self._gluon_backward(dims.q_len, dims.kv_len) and not input_grads and is_sm90(device):
+        if self._gluon_backward(dims.q_len, dims.kv_len) and not (input_grads and self.plan.read_grads) and is_sm90(device):
             # the Gluon generator's backward (where the choice gives it, codegen/gluon/choice.py; packed sequences by
-            # their longest keys); input gradients are the Triton kernels'
+            # their longest keys); the gradients of inputs the score reads are the Triton kernels', those of a sink's
+            # inputs come from the rows' sink gradients, written by the Triton module's pre-pass
             dq, dk, dv = self.gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **self._extra(dropout_p, seed, block_mask, dims, device),
                                                        varlen=varlen)
-            return dq, dk, dv, [t.new_empty(0) for t in floats]
+            if not input_grads:
+                return dq, dk, dv, [t.new_empty(0) for t in floats]
+            rows = self.module.attention_sink_grads(o, do, lse, dlse, dims.kv_len, *inputs) if self.spec.sink is not None else None
+            grads = reduce_input_grads(self.spec, dims, self._named(inputs), [], [], rows)
+            return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
         extra = self._extra(dropout_p, seed, block_mask, dims, device)
         if varlen is not None:  # packed sequences: the Triton generator's kernels (no input gradients: refused at the call)
             with interpreted_if_cpu(q.device):

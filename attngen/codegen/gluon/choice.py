@@ -53,6 +53,14 @@ FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's
 BLOCK_PATTERN_MEASURED = ("the Gluon kernels measured 0.19-0.75x the Triton forward and 0.36-0.94x its backward with block patterns at "
                           "head_dim 64 from 4096 keys, 0.59-0.96x / 0.73-1.12x with butterfly's (classified by pieces) at 128 (H100)")
 CAUSAL = Binary(">=", Var("q_idx"), Var("kv_idx"))  # the causal mask: at head_dim 64 GLUON_MIN_KEYS holds for it and for no mask
+# A sink at head_dim 64 (benchmarks/gpt_oss.py: 64 query heads over 8, B = 1, the sinks trained, forward + backward;
+# 2026-11-29, H200, the Triton generator's run and the Gluon generator's a few minutes apart): causal 1.14x the Triton
+# generator at 16384 keys but 0.91x at 4096; a window of 128 keys 0.90x at 4096 and 0.89x at 16384 (those calls are
+# short, and the Gluon backward leaves the sink's gradient to a pass of its own). So at head_dim 64 a sink takes the
+# Gluon generator with the causal mask (or none) from SINK_MIN_KEYS keys, the Triton one with other masks.
+SINK_MIN_KEYS = 16384
+SINK_MEASURED = ("with a sink at head_dim 64 the Gluon kernels measured 0.91x the Triton generator's (forward + backward, causal) at "
+                 "4096 keys and 1.14x at 16384 (H200)")
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,8 @@ def _min_keys(spec: Spec, gp: GluonPlan) -> tuple[int, str]:
     64, 1024 keys for no mask or the causal mask, MASKED_MIN_KEYS for other masks; documents at head_dim 128 with dQ
     in a fixed order, MASKED_MIN_KEYS (the unordered backward measured 1.03x the Triton one at 1024 keys); else none."""
     if spec.head_dim == 64:
+        if spec.sink is not None:  # (other masks: slower_than_triton)
+            return SINK_MIN_KEYS, SINK_MEASURED
         if gp.base.mask is None or gp.base.mask == CAUSAL:  # (the mask with a block pattern's)
             return GLUON_MIN_KEYS[64], MIN_KEYS_MEASURED
         return MASKED_MIN_KEYS, MASKED_MIN_KEYS_MEASURED[64]
@@ -199,6 +209,9 @@ SCORE_GLUON_HEAD_DIMS = (128,)
 def slower_than_triton(spec: Spec, base: KernelPlan) -> str | None:
     """Why `auto` keeps a supported spec on the Triton generator at every length (measured on the H100), or None.
     (Every head dim the generator takes was measured: 128 and 256 faster; 64 faster from GLUON_MIN_KEYS keys.)"""
+    if spec.sink is not None and spec.head_dim == 64 and not (base.mask is None or base.mask == CAUSAL):
+        return ("a sink with a mask other than causal's at head_dim 64: 0.89-0.90x the Triton generator's forward + backward with gpt-oss's "
+                "128-key window at 4096 and 16384 keys (H200)")
     if spec.score is None or bias_of(base) is not None:
         return None  # no score modification, or a separable bias
     if any(isinstance(e, Call) and e.func in FLOAT_FUNCTIONS for e in _nodes(spec.score)):

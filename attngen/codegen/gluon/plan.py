@@ -175,8 +175,8 @@ def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
         why.append("kv_dtype = fp8: FP8 caches are read by the decode kernels, which are the Triton generator's")
     if spec.loop_order is LoopOrder.KV_OUTER:
         why.append("loop_order = kv_outer is a schedule of the Triton generator")
-    if spec.sink is not None:
-        why.append("a sink: its kernels have none yet (the Triton generator's have)")
+    if spec.sink is not None and bias_of(base) is not None:
+        why.append("a sink with a score modification it adds as a separable bias (its softmax runs in the bias's units)")
     if spec.value_dim is not None:
         why.append(f"value_dim {spec.value_dim} (head_dim {spec.head_dim}): its kernels take V as wide as K (the Triton generator's "
                    f"take a value_dim of its own)")

@@ -9,7 +9,7 @@ from ...lang import expr as ex
 from ...lang.canonical import format_spec
 from ...lang.spec import DType
 from .. import Templates, versions
-from ..lowering import BiasCode, KernelCode, bias_of, key_part_affine, lower_bias, lower_for_kernel
+from ..lowering import BiasCode, KernelCode, SinkCode, bias_of, key_part_affine, lower_bias, lower_for_kernel, lower_sink
 from ..tiles import lower_tile_class
 from .lower import helpers as gluon_helpers
 from .lower import translate
@@ -59,6 +59,9 @@ def context(gp: GluonPlan) -> dict:
     # as the Triton dK/dV kernel's, but with sums of positions converted to float leaf by leaf (codegen.expr.FLOAT_POSITIONS)
     dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos, positions_leafwise=True,
                             want_score=bias is None)
+    sink = lower_sink(plan, "sink_rows", helpers)  # the sink of each of a warpgroup's rows, where its softmax starts
+    if sink is not None:
+        sink = SinkCode([translate(x) for x in sink.stmts], translate(sink.code))
     tile_class = None
     if plan.mask is not None and plan.classify:
         # inputs read at q_idx or kv_idx are bounded by the pre-pass's chunks, read one by one (the tiles are scalars
@@ -86,6 +89,7 @@ def context(gp: GluonPlan) -> dict:
         "bias_mma": gp.bias_mma,  # the forward's affine key part added by the tensor cores
         "bsmem": ", bias_smem" if gp.bias_mma else "",
         "has_dropout": spec.dropout > 0.0,
+        "sink": sink,  # the sink's code (SinkCode), or None
         "runtime_sparsity": spec.sparsity == "runtime",  # the kernels walk lists of kept blocks (attngen/runtime/blocks.py)
         "sparse_block": spec.sparse_block,
         "deterministic": spec.deterministic,  # dQ's additions in a fixed order
