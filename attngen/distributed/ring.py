@@ -144,6 +144,7 @@ class _Run:
     def __init__(self, kern: Kernel, ring: _Ring, layout: str, n: int, inputs: list, dropout_p: float, seed: torch.Tensor | None):
         self.kern, self.ring, self.inputs, self.dropout_p, self.seed = kern, ring, inputs, dropout_p, seed
         self.sink_leaves: list[int] = []  # which inputs (by position) the sink reads and get gradients
+        self._sinks: torch.Tensor | None = None  # the sink of every row (_sink), once evaluated
         self.seq_len = n * ring.world
         self.mine = chunks(layout, ring.rank, ring.world, n)
         # step s: the pairs (i, j, positions) of query chunk i and key chunk j of rank r - s whose block the mask does
@@ -194,9 +195,12 @@ class _Run:
         return torch.cat(o_acc, 2).to(q.dtype), torch.cat(lse_acc, 2)
 
     def _sink(self, batch: int, heads: int, device) -> torch.Tensor:
-        """The sink of every row of the whole sequence (B, H, seq_len), log2 units, float32."""
-        named = {d.name: t.detach() for d, t in zip(self.kern.spec.inputs, self.inputs)}
-        return sink_rows(self.kern.spec, named, batch, heads, self.seq_len, self.seq_len, device, torch.float32) * LOG2E
+        """The sink of every row of the whole sequence (B, H, seq_len), log2 units, float32: evaluated once a call,
+        by the forward, and kept for the backward (the inputs it reads are the same tensors)."""
+        if self._sinks is None:
+            named = {d.name: t.detach() for d, t in zip(self.kern.spec.inputs, self.inputs)}
+            self._sinks = sink_rows(self.kern.spec, named, batch, heads, self.seq_len, self.seq_len, device, torch.float32) * LOG2E
+        return self._sinks
 
     def sink_grads(self, o, lse, do, dlse) -> list[torch.Tensor]:
         """The gradients of the inputs the sink reads (self.sink_leaves), summed over the ranks: each row's d loss /

@@ -31,3 +31,9 @@ def empty_laid_out(shape, dtype: torch.dtype, device, in_rows: bool) -> torch.Te
         batch, heads, n, d = shape
         return torch.empty((batch, n, heads, d), device=device, dtype=dtype).transpose(1, 2)
     return torch.empty(shape, device=device, dtype=dtype)
+
+
+def leading_columns_of(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether v is k's first columns (`k[..., :n]`: the same storage start and strides), as latent attention's V is
+    a view of its cache's first value_dim columns; the decode kernels then read those bytes once."""
+    return v.data_ptr() == k.data_ptr() and v.stride() == k.stride()

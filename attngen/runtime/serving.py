@@ -9,6 +9,7 @@ from ..lang.spec import DType, KVLayout
 from ..plan.decode import decode_shape
 from .checks import Dims, check_all
 from .fp8 import cache_scales
+from .layout import leading_columns_of
 from .loader import check_device, interpreted_if_cpu
 from .twins import up
 
@@ -103,7 +104,7 @@ def decode_impl(kernel, q, k, v, inputs, kv_lens, q_lens, block_table, dims: Dim
         return q.new_zeros((*q.shape[:3], v.shape[-1])), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
     if q.device.type == "cpu" and kernel.spec.dtype is DType.BF16:
         q32, k32, v32 = up(q, k, v)
-        if v.data_ptr() == k.data_ptr() and v.stride() == k.stride():  # V a view of K's first columns stays one
+        if leading_columns_of(v, k):  # V a view of K's first columns stays one
             v32 = k32[..., :v.shape[-1]]
         o, lse = decode_impl(kernel._twin(), q32, k32, v32, up(*inputs), kv_lens, q_lens, block_table, dims, kv_scales)
         return o.to(torch.bfloat16), lse

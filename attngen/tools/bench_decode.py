@@ -30,6 +30,7 @@ import torch
 from ..cache import write_atomic
 from ..kvcache import append
 from ..lang.spec import KVLayout, Spec
+from ..runtime.layout import leading_columns_of
 from .bench import _matplotlib, flex, flex_mods, median_ms, report, versions
 
 CHECK_TOLERANCE = 2e-2  # max |out - reference| of a bf16 output accepted before timing
@@ -69,7 +70,7 @@ def _paged(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generato
     per_seq = -(-n // page_size)
     table = torch.randperm(B * per_seq, generator=gen, device="cpu").view(B, per_seq).to(device="cuda", dtype=torch.int32)
     k_cache, v_cache = (torch.empty(B * per_seq, page_size, hkv, x.shape[3], device="cuda", dtype=k.dtype) for x in (k, v))
-    if v.data_ptr() == k.data_ptr():
+    if leading_columns_of(v, k):
         v_cache = k_cache[..., :v.shape[3]]
     start = torch.zeros(1, dtype=torch.int32, device="cuda")
     for b in range(B):
