@@ -258,6 +258,8 @@ def test_recording_covers_every_flag_the_spec_implies(spec, flags):
     # packed sequences (cu_seqlens) where the spec takes them: the forward and both backward kernels, once per flag
     if record.takes_packed(p.spec):
         assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= {launch.kernel for launch in packed} and len(packed) <= 12
+        if p.spec.sink is not None:  # the sink's gradients with packed sequences: their pre-pass finds each row's sequence
+            assert any(launch.kernel == "_attn_bwd_delta" and json.loads(launch.key)["constants"].get("SINK_GRADS") == "True" for launch in packed)
     else:
         assert not packed
 

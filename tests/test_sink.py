@@ -10,7 +10,7 @@ import torch
 
 import attngen
 from attngen.codegen.gluon import choose
-from attngen.errors import PlanError, SpecError
+from attngen.errors import InputError, PlanError, SpecError
 from attngen.lang.check import load_spec
 from attngen.lang.spec import Backend
 from attngen.plan.planner import plan
@@ -120,6 +120,51 @@ def test_packed_sequences_take_the_sink(target, device):
     assert (o.double() - ref).abs().max() < 1e-4 and (lse.double() - ref_lse).abs().max() < 1e-4
     assert all((g.double() - r).abs().max() < 1e-3 for g, r in zip(grads, ref_grads))
     torch.testing.assert_close(lse[:, 5:22], inputs["sinks"][:, None] - 0.02 * torch.arange(17, device=device), rtol=1e-6, atol=1e-6)
+
+
+# sinks whose gradients packed sequences give: one per head (gpt-oss), and one per sequence and head that reads q_idx
+PACKED_SINKS = {
+    "per_head": ("input sinks: fp32[H]\n    sink = sinks[h]", (4,)),
+    "per_sequence_row": ("input sinks: fp32[B, H]\n    sink = sinks[b, h] - 0.02 * q_idx", (3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(PACKED_SINKS))
+def test_packed_sequences_give_the_sinks_gradient(name, target, device):
+    """cu_seqlens with the sinks trained: each row's gradient of its sink (the pre-pass finds each packed row's
+    sequence in cu_seqlens), summed into d sinks by sequence, head and row as the float64 reference's autograd does;
+    a sequence with no key (its rows: O = 0, lse = the sink) and one longer than the others included."""
+    decl, shape = PACKED_SINKS[name]
+    text = f"attention p {{\n    head_dim = 32\n    dtype = fp32\n    {decl}\n    mask = q_idx >= kv_idx\n}}"
+    kern = attngen.compile(text, target)
+    gen = torch.Generator().manual_seed(4)
+    q_lens, kv_lens = [5, 70, 9], [6, 0, 80]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device) for n in (q_lens, kv_lens))
+    q = torch.randn(sum(q_lens), 4, 32, generator=gen).to(device).requires_grad_()
+    k, v = (torch.randn(sum(kv_lens), 2, 32, generator=gen).to(device).requires_grad_() for _ in range(2))
+    sinks = torch.randn(shape, generator=gen).to(device).requires_grad_()
+    o, lse = kern(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, sinks=sinks)
+    do, dlse = torch.randn(o.shape, generator=gen).to(device), torch.randn(lse.shape, generator=gen).to(device)
+    grads = torch.autograd.grad((o, lse), (q, k, v, sinks), (do, dlse))
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    ref, ref_lse = attngen.reference(kern.spec, *wide[:3], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, sinks=wide[3])
+    ref_grads = torch.autograd.grad((ref, ref_lse), wide, (do.double(), dlse.double()))
+    assert all(not g.isnan().any() for g in grads) and grads[3].shape == sinks.shape
+    for g, r in zip(grads, ref_grads):
+        assert (g.double() - r).abs().max() < 1e-3 * max(1.0, r.abs().max().item()), (g, r)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("input sinks: fp32[H]\n    input bias: fp32[H]\n    sink = sinks[h]\n    score = score + bias[h]", "gradients of inputs the score reads"),
+    ("input sinks: fp32[H]\n    sink = sinks[h] - 0.001 * q_len", "a sink that reads q_len or kv_len"),
+])
+def test_packed_sequences_refuse_what_their_sink_gradients_cannot_give(setting, message, target):
+    kern = attngen.compile(f"attention p {{\n    head_dim = 32\n    dtype = fp32\n    {setting}\n}}", target)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q, k, v = (torch.randn(8, 2, 32) for _ in range(3))
+    inputs = {name: torch.randn(2).requires_grad_() for name in ("sinks", "bias") if f"input {name}" in setting}
+    with pytest.raises(InputError, match=message):
+        kern(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **inputs)
 
 
 def test_a_short_plain_call_decodes_with_its_sink(target, device):

@@ -150,7 +150,9 @@ def record_launches(kernel_plan, module, arch: int) -> list[Launch]:
             for p, seed in ([(spec.dropout, 1), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
                 extra = kern._extra(*dropout_args(spec, p, seed, q.device), None, dims, q.device)
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra, varlen=varlen)
-                module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **extra, varlen=varlen)
+                for sink_grads in ([None, torch.empty(lse.shape, device=lse.device, dtype=torch.float32)] if spec.sink is not None else [None]):
+                    grads = {} if sink_grads is None else {"sink_grads": sink_grads}  # with a sink: its gradients' pre-pass too
+                    module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **grads, **extra, varlen=varlen)
     return _unique(sink)
 
 

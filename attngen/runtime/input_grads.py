@@ -9,7 +9,7 @@ from ..lang.algebra import read_derivative
 from ..lang.expr import SCORE_VARS, SINK_VARS, Scope, input_reads
 from ..lang.spec import Const, Index, Spec, Var
 from .checks import Dims
-from .evaluate import evaluate, sink_rows
+from .evaluate import evaluate
 
 _AXES = ("b", "h", "q_idx", "kv_idx")  # the axes of a direct read's term buffer (B, H, Nq, Nk)
 LOG2E = 1.4426950408889634
@@ -59,19 +59,24 @@ def _sink_slopes(spec: Spec) -> tuple:
     return entry[1]
 
 
-def sink_row_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """d loss / d sink of each query row, (B, H, Nq) float32, from the forward's lse (log2 units) and the backward's
-    delta of each row (row_delta: the Triton backward's pre-pass writes it): with p_sink = exp(sink - lse) the sink's
-    share of the row's softmax, O's rows shrink by it (d O / d sink = -p_sink O) and the lse grows (d lse / d sink =
-    p_sink), so p_sink * (d loss / d lse - rowsum(dO * O)) = -p_sink * delta, with the lse in natural-log units."""
-    sink = sink_rows(spec, {n: t.detach() for n, t in inputs.items()}, *lse.shape, dims.kv_len, lse.device, torch.float32)
-    return sink_share_grads(sink * LOG2E, lse, delta)
-
-
 def sink_share_grads(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """sink_row_grads from the rows' sinks already evaluated (log2 units, as the lse)."""
+    """d loss / d sink of each query row from its sink and lse (log2 units) and the backward's delta (row_delta):
+    with p_sink = exp(sink - lse) the sink's share of the row's softmax, O's rows shrink by it (d O / d sink =
+    -p_sink O) and the lse grows (d lse / d sink = p_sink), so p_sink * (d loss / d lse - rowsum(dO * O)) =
+    -p_sink * delta. (The Triton backward's pre-pass computes the same in its kernel.)"""
     p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp2(sink - lse))
     return -p_sink * delta
+
+
+def unpacked_rows(rows: torch.Tensor, varlen) -> torch.Tensor:
+    """Packed sequences' per-row values (1, H, packed rows) laid out by sequence, (sequences, H, longest), zeros past
+    each sequence's end: the (b, h, q_idx) axes along which reduce_input_grads sums a read's gradient."""
+    cu_q, max_q = varlen[0], varlen[2]
+    starts = cu_q[:-1].long()
+    pos = torch.arange(max_q, device=rows.device)
+    at = (starts[:, None] + pos).clamp(max=rows.shape[2] - 1)  # (sequences, longest)
+    inside = pos < (cu_q[1:].long() - starts)[:, None]
+    return torch.where(inside, rows[0][:, at], 0.0).transpose(0, 1)
 
 
 def row_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .evaluate import sink_rows
 from .fp8 import dequantize, fp8_call
-from .input_grads import LOG2E, reduce_input_grads, row_delta, sink_row_grads
+from .input_grads import LOG2E, reduce_input_grads, row_delta, sink_share_grads, unpacked_rows
 from .layout import empty_like_layout
 from .loader import check_device, interpreted_if_cpu, is_sm90
 from .packed import check_packed, check_packed_features
@@ -121,7 +121,7 @@ class Kernel:
         check_block_mask(self.spec, block_mask)
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(t.requires_grad for t in tensors))
         if varlen is not None:
-            check_packed_features(self.spec, tensors, grad)
+            check_packed_features(self.spec, tensors, grad, bool(self.plan.read_grads), compiling)
         # few queries, nothing to differentiate: the decode kernels (serving.py)
         decodes = not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len)
         if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
@@ -207,11 +207,9 @@ class Kernel:
             dq, dk, dv = (torch.zeros_like(t) if varlen is not None else empty_like_layout(t).zero_() for t in (q, k, v))
             if not input_grads:
                 return dq, dk, dv, [t.new_empty(0) for t in floats]
-            named = self._named(inputs)
-            # rows with no key: the lse is the sink's (O = 0), so only a gradient reaching the lse reaches the sink
-            rows = sink_row_grads(self.spec, dims, named, lse, row_delta(o, do, dlse)) if self.spec.sink is not None and lse.numel() else None
-            grads = reduce_input_grads(self.spec, dims, named, [], [], rows)
-            return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
+            # rows with no key: the lse is the sink's (O = 0), so only a gradient reaching the lse reaches the sink (p_sink = 1)
+            rows = sink_share_grads(lse, lse, row_delta(o, do, dlse)) if self.spec.sink is not None and lse.numel() else None
+            return dq, dk, dv, self._sink_input_grads(dims, inputs, rows, varlen)
         device = q.device
         if device.type == "cpu" and self.spec.dtype is DType.BF16:
             dq, dk, dv, grads = self._twin()._backward_impl(*up(q, k, v, o), lse, *up(do), dlse, up(*inputs), dropout_p, seed,
@@ -225,14 +223,17 @@ class Kernel:
                                                        varlen=varlen)
             if not input_grads:
                 return dq, dk, dv, [t.new_empty(0) for t in floats]
-            rows = self.module.attention_sink_grads(o, do, lse, dlse, dims.kv_len, *inputs) if self.spec.sink is not None else None
-            grads = reduce_input_grads(self.spec, dims, self._named(inputs), [], [], rows)
-            return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
+            rows = self.module.attention_sink_grads(o, do, lse, dlse, k.shape[2], *inputs, varlen=varlen) if self.spec.sink is not None else None
+            return dq, dk, dv, self._sink_input_grads(dims, inputs, rows, varlen)
         extra = self._extra(dropout_p, seed, block_mask, dims, device)
-        if varlen is not None:  # packed sequences: the Triton generator's kernels (no input gradients: refused at the call)
+        if varlen is not None:  # packed sequences: the Triton generator's kernels (input gradients a sink's only: the call checks)
+            if input_grads and self.spec.sink is not None:  # each row's gradient of its sink, which the pre-pass writes
+                extra["sink_grads"] = torch.empty(lse.shape, device=device, dtype=torch.float32)
             with interpreted_if_cpu(q.device):
                 dq, dk, dv = self.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **extra, varlen=varlen)
-            return dq, dk, dv, [t.new_empty(0) for t in floats]
+            if not input_grads:
+                return dq, dk, dv, [t.new_empty(0) for t in floats]
+            return dq, dk, dv, self._sink_input_grads(dims, inputs, extra.get("sink_grads"), varlen)
         reads = self.plan.read_grads
         if input_grads and reads:
             extra["input_grads"] = True
@@ -246,6 +247,14 @@ class Kernel:
         named = self._named(inputs)
         grads = reduce_input_grads(self.spec, dims, named, reads, terms[0] if terms else [], extra.get("sink_grads"))
         return dq, dk, dv, [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
+
+    def _sink_input_grads(self, dims: Dims, inputs, rows: torch.Tensor | None, varlen) -> list[torch.Tensor]:
+        """The float inputs' gradients (in declaration order) from each query row's gradient of its sink, `rows`
+        (None: zeros); packed sequences' rows (1, H, packed rows) laid out by sequence first."""
+        if rows is not None and varlen is not None:
+            rows = unpacked_rows(rows, varlen)
+        grads = reduce_input_grads(self.spec, dims, self._named(inputs), [], [], rows)
+        return [grads[d.name] for d, t in zip(self.spec.inputs, inputs) if t.is_floating_point()]
 
     def _triton_forward(self, dims: Dims, extra: dict, q, k, v, inputs):
         """The Triton generator's forward: O and the lse in log2 units, with the tuned tiles where the spec says auto."""

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
+from ..lang.expr import variables
 from ..lang.spec import LoopOrder, Spec
 
 
@@ -68,12 +69,25 @@ def longest_sequence(name: str, cu: torch.Tensor, total: int) -> int:
     return longest
 
 
-def check_packed_features(spec: Spec, inputs: list[torch.Tensor], grad: bool) -> None:
-    """What packed sequences do not support yet: an InputError before any kernel runs."""
+def check_packed_features(spec: Spec, inputs: list[torch.Tensor], grad: bool, score_reads: bool, compiling: bool) -> None:
+    """What packed sequences do not support yet: an InputError before any kernel runs. Inputs get gradients only
+    through a sink (score_reads: the score reads float inputs, whose gradients the dQ kernel's terms carry), in eager
+    calls, and not for a sink that reads q_len or kv_len (whose reduction would need each sequence's lengths)."""
     if spec.sparsity == "runtime":
         raise InputError("runtime block sparsity with packed sequences (cu_seqlens) is not supported yet")
-    if grad and any(t.requires_grad for t in inputs):
-        raise InputError("gradients of declared inputs with packed sequences (cu_seqlens) are not supported yet")
+    if not (grad and any(t.requires_grad for t in inputs)):
+        return
+    if spec.sink is None:
+        raise InputError("gradients of declared inputs with packed sequences (cu_seqlens) are not supported yet, except a sink's")
+    if score_reads:
+        raise InputError("gradients of inputs the score reads, with packed sequences (cu_seqlens), are not supported yet (a sink's inputs "
+                         "get theirs)")
+    if variables(spec.sink) & {"q_len", "kv_len"}:
+        raise InputError("gradients of the inputs of a sink that reads q_len or kv_len, with packed sequences (cu_seqlens), are not "
+                         "supported yet")
+    if compiling:
+        raise InputError("gradients of declared inputs with packed sequences (cu_seqlens) under torch.compile are not supported yet "
+                         "(eager calls give a sink's)")
 
 
 def heads_first(*tensors: Tensor) -> tuple[Tensor, ...]:
