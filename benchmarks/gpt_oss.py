@@ -8,7 +8,7 @@ alternate a sliding window of 128 keys and full causal attention. B = 1 sequence
 time (do_bench median, the sinks' gradient included), the peak memory the call adds, and the largest difference
 from attngen's output; attngen itself is checked against attngen.reference (float32, first 8 heads) first.
 
-    python benchmarks/gpt_oss.py [--seq 4096 8192 16384] [--json out.json]
+    python benchmarks/gpt_oss.py [--seq 4096 8192 16384] [--generators triton gluon] [--json out.json]
 """
 from __future__ import annotations
 
@@ -84,11 +84,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--eager-max", type=int, default=8192, help="longest N the eager path runs at (its scores are N x N a head)")
+    ap.add_argument("--generators", nargs="*", default=[], choices=["triton", "gluon"],
+                    help="also time the spec through these code generators (backend = ...), in the same process as auto's")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
     for kind in LAYERS:
         kern = attngen.compile(spec_text(kind))
+        also = {f"attngen_{g}": attngen.compile(spec_text(kind), backend=g) for g in args.generators}
         for n in args.seq:
             gen = torch.Generator(device="cuda").manual_seed(0)
             q = torch.randn(1, HQ, n, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -102,7 +105,8 @@ def main() -> None:
                     err = (mine[:, :8].float() - ref).abs().max().item()
                     assert err < 2e-2 and not mine.isnan().any(), f"attngen against the reference: {err}"
             row = {"layer": kind, "N": n}
-            providers = {"attngen": lambda q, k, v, s, kern=kern: kern(q, k, v, sinks=s), "flex": flex_fn(kind, n)}
+            providers = {name: (lambda q, k, v, s, kern=kern: kern(q, k, v, sinks=s)) for name, kern in {"attngen": kern, **also}.items()}
+            providers["flex"] = flex_fn(kind, n)
             if n <= args.eager_max:
                 providers["eager"] = eager_fn(kind, n)
             for name, fn in providers.items():
@@ -125,7 +129,7 @@ def main() -> None:
 def format_row(r: dict) -> str:
     a = r["attngen"]
     cells = [f"{r['layer']:<8}{r['N']:>7}"]
-    for name in ("attngen", "flex", "eager"):
+    for name in [key for key in r if key.startswith("attngen")] + ["flex", "eager"]:
         x = r.get(name)
         if x is None:
             cells.append(f"{name} -")
