@@ -448,12 +448,13 @@ def plan(spec: Spec, target: str | Target | None = None, *, classify: bool = Tru
         # with 4 warps beat the rule's 128x64 with 8 on dense and causal at N = 4096 and 16384 (1.02-1.10x the backward)
         kbn, kbm, dkdv_warps = 64, 64, 4
         steps.append(Step("backward dK/dV tiles, measured", "best of a tile sweep at d=64, bf16, sm_90", "BLOCK_N=64, BLOCK_M=64, 4 warps"))
-    elif tgt.arch >= 90 and tail and dp == 256 and spec.dtype is not DType.FP32 and not spec.block_n:
+    elif tgt.arch >= 90 and dqk == 192 and dvp == 128 and spec.dtype is not DType.FP32 and not spec.block_n:
         # a sweep on the H200 (2026-11-29; 192 = 128 + 64 with value_dim 128, causal, bf16, N = 4096): of 24 dK/dV
-        # configs, 128-key tiles streaming 32 query rows with 8 warps were the fastest (the whole backward 1.59 ms;
-        # 2.26x the rule's 64 x 16 with 8 warps); 64 x 16 with 4 warps 1.05x slower, 128 x 64 1.06x
+        # configs, 128-key tiles streaming 32 query rows with 8 warps were the fastest (the whole backward 1.59 ms; the
+        # rule's 64 x 16 with 8 warps took 2.26x as long); 64 x 16 with 4 warps 1.05x, 128 x 64 1.06x. (V padded to 256
+        # columns, head_dim 192 without a value_dim, was not measured: the rule's tiles there.)
         kbn, kbm, dkdv_warps = 128, 32, 8
-        steps.append(Step("backward dK/dV tiles, measured", "best of a tile sweep at d_qk = 192, bf16, sm_90", "BLOCK_N=128, BLOCK_M=32, 8 warps"))
+        steps.append(Step("backward dK/dV tiles, measured", "best of a tile sweep at d_qk = 192, value_dim 128, bf16, sm_90", "BLOCK_N=128, BLOCK_M=32, 8 warps"))
     else:
         dkdv_warps = bwd_warps
     # dQ kernel: dQ accumulator (BM x d_qk) plus score and dP tiles (BM x BN).
