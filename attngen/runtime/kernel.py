@@ -226,9 +226,9 @@ class Kernel:
             rows = self.module.attention_sink_grads(o, do, lse, dlse, k.shape[2], *inputs, varlen=varlen) if self.spec.sink is not None else None
             return dq, dk, dv, self._sink_input_grads(dims, inputs, rows, varlen)
         extra = self._extra(dropout_p, seed, block_mask, dims, device)
+        if input_grads and self.spec.sink is not None:  # each row's gradient of its sink, which the pre-pass writes
+            extra["sink_grads"] = torch.empty(lse.shape, device=device, dtype=torch.float32)
         if varlen is not None:  # packed sequences: the Triton generator's kernels (input gradients a sink's only: the call checks)
-            if input_grads and self.spec.sink is not None:  # each row's gradient of its sink, which the pre-pass writes
-                extra["sink_grads"] = torch.empty(lse.shape, device=device, dtype=torch.float32)
             with interpreted_if_cpu(q.device):
                 dq, dk, dv = self.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **extra, varlen=varlen)
             if not input_grads:
@@ -237,8 +237,6 @@ class Kernel:
         reads = self.plan.read_grads
         if input_grads and reads:
             extra["input_grads"] = True
-        if input_grads and self.spec.sink is not None:  # each row's gradient of its sink, which the pre-pass writes
-            extra["sink_grads"] = torch.empty(lse.shape, device=device, dtype=torch.float32)
         flags = tuple(f for f, on in (("dropout", extra.get("dropout_p")), ("input_grads", extra.get("input_grads"))) if on)
         dq, dk, dv, *terms = self._run_triton("bwd", self.module.attention_backward, dims, flags, (q, k, v, o, lse, do, dlse, *inputs),
                                               extra)  # with input_grads: the terms too
