@@ -68,7 +68,7 @@ def test_build_writes_cubins_for_each_target(built):
     for target, arch in (("h100", 90), ("a100", 80)):
         e = entries[target]
         assert e["arch"] == arch and e["name"] == "causal"
-        assert {k["kernel"] for k in e["kernels"]} == {"_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_decode", "_decode_combine"}
+        assert {k["kernel"] for k in e["kernels"]} == {"_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_decode"}
         for k in e["kernels"]:
             cubin = (out / k["files"][f"{k['kernel']}.cubin"]["path"]).read_bytes()
             assert cubin[:4] == b"\x7fELF"
@@ -206,10 +206,10 @@ def test_the_bundle_lookup_returns_the_bundles_binary(built, tmp_path):
         compiled = lookup(ASTSource(fn, launch.signature, launch.constexprs, launch.attrs), options=launch.options)
         assert compiled.asm["cubin"] == (out / k["files"][f"{launch.kernel}.cubin"]["path"]).read_bytes()
         # the same kernel called with a row stride not divisible by 16 (e.g. a sliced tensor): another binary
-        # (the backward's pre-pass reads O, not Q; the decode combine kernel takes pointers only: an unaligned output)
-        row = next(name for name in ("stride_qm", "stride_om", "Out") if name in launch.signature)
+        # (the backward's pre-pass reads O, not Q)
+        row = next(name for name in ("stride_qm", "stride_om") if name in launch.signature)
         attrs = {path: a for path, a in launch.attrs.items() if path != (list(launch.signature).index(row),)}
-        with pytest.raises(attngen.BundleError, match=rf"no prebuilt binary of _(attn|decode)_\w+ for this call \(differs in {row}: not known divisible by 16 in this call, "
+        with pytest.raises(attngen.BundleError, match=rf"no prebuilt binary of _attn_\w+ for this call \(differs in {row}: not known divisible by 16 in this call, "
                                                         r"divisible by 16 in the bundle\); strict=True"):
             lookup(ASTSource(fn, launch.signature, launch.constexprs, attrs), options=launch.options)
         fallback = aot_loader._PrebuiltCompile("test", binaries, False, lambda src, **kw: "jit", stats)
@@ -266,7 +266,7 @@ def test_recording_covers_every_flag_the_spec_implies(spec, flags):
 
 def test_recording_covers_decoding():
     """The decode launcher with per-sequence lengths: programs of 16, 32 and 64 rows, the keys split or not (the
-    combine kernel then), one specialization each whatever the lengths; a paged spec records nothing else."""
+    last split merging the runs then), one specialization each whatever the lengths; a paged spec records nothing else."""
     from attngen.lang.check import read_spec
     from attngen.codegen.triton import build_source
     from attngen.plan.planner import plan
@@ -282,7 +282,7 @@ def test_recording_covers_decoding():
         decode = [json.loads(launch.key)["constants"] for launch in launches if launch.kernel == "_attn_decode"]
         assert sorted((c["BLOCK_R"], c["PARTIAL"]) for c in decode) == sorted((r, s) for r in ("16", "32", "64") for s in ("True", "False"))
         assert all(c["KV_LENS"] == "True" and c["Q_LENS"] == "False" for c in decode)
-        assert {launch.kernel for launch in launches} == others | {"_attn_decode", "_decode_combine"}
+        assert {launch.kernel for launch in launches} == others | {"_attn_decode"}
 
 
 def test_gluon_recording_covers_dropout_on_and_off():
@@ -401,7 +401,7 @@ def test_bundles_carry_the_gluon_generators_kernels(built_gluon):
     g = e["gluon"]
     assert (g["forward"], g["backward"]) == ("gluon", "gluon") and g["module"]["path"] == "causal_gluon_h100_gluon.py"
     assert {k["kernel"] for k in g["kernels"]} == {"_attn_fwd", "_attn_bwd", "_bwd_delta"}
-    assert {k["kernel"] for k in e["kernels"]} == {"_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_decode", "_decode_combine"}
+    assert {k["kernel"] for k in e["kernels"]} == {"_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_decode"}
     texts, reason = bundle_manifest._verify_files(out, e)
     assert reason is None and set(texts) == {e["module"]["path"], g["module"]["path"]}
     spec = attngen.load_spec(e["spec"], "manifest")

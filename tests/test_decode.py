@@ -103,11 +103,13 @@ def test_every_split_count_gives_the_unsplit_result(device):
         assert (other - results[0]).abs().max() <= 1e-5
 
 
-def test_the_combine_merges_more_runs_than_it_reads_at_once(device):
-    """The combine kernel reads COMBINE_CHUNK (16) partial results a load: 18 runs of one key tile each (two
-    loads) and 40 runs (three loads, 22 of them empty) against one run and the reference, reruns bit-identical."""
+def test_the_last_split_to_arrive_merges_every_run(device):
+    """Each split counts itself in its row block's counter and the last to arrive merges the partial results: 18
+    runs of one key tile each and 40 runs (22 of them empty) against one run and the reference; reruns are
+    bit-identical (the merge takes the runs in order, whichever arrived last) and leave the counters at zero."""
+    from attngen.runtime.counters import stream_counters
     kern = attngen.compile(_spec(BOTTOM_RIGHT), "h100")
-    assert kern.module.COMBINE_CHUNK == 16 and kern.plan.decode_block_n == 64
+    assert kern.plan.decode_block_n == 64 and not hasattr(kern.module, "_decode_combine")  # one kernel: no combine launch
     lens = [1100, 300, 0]  # 1100 keys: 18 tiles of 64
     q, k, v = _tensors(kern.spec, device, lens, 1, capacity=1152)
     kv_lens = _lens(lens, device)
@@ -118,6 +120,30 @@ def test_the_combine_merges_more_runs_than_it_reads_at_once(device):
         again = kern.module.attention_decode(q, k, v, kv_lens=kv_lens, block_r=16, num_splits=splits)
         assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
         assert (out.float() - one.float()).abs().max() <= 1e-5
+        assert not stream_counters("decode", q.device, 1).any()
+
+
+def test_a_serving_call_like_one_made_before_replays_and_still_checks_its_lengths(device):
+    """A serving call of a signature that passed its checks is kept (Kernel._serving_calls) and replayed: exact
+    again with other lengths in the same tensor, while the lengths' values are still checked whenever they
+    change (an in-place update to past the cache is refused); a call of another signature is checked afresh."""
+    kern = attngen.compile(_spec(BOTTOM_RIGHT), "h100")
+    q, k, v = _tensors(kern.spec, device, LENS, 1)
+    lens = _lens(LENS, device)
+    with torch.no_grad():
+        out, lse = kern(q, k, v, kv_lens=lens, return_lse=True)
+        _check_reference(kern, out, lse, q, k, v, kv_lens=lens)
+        assert len(kern._serving_calls) == 1
+        lens.copy_(_lens(LENS[::-1], device))  # other lengths, same tensor: replayed, its values checked again
+        q2, k2, v2 = _tensors(kern.spec, device, LENS[::-1], 1, seed=1)
+        out, lse = kern(q2, k2, v2, kv_lens=lens, return_lse=True)
+        _check_reference(kern, out, lse, q2, k2, v2, kv_lens=lens)
+        assert len(kern._serving_calls) == 1
+        lens[0] = CAPACITY + 1
+        with pytest.raises(InputError, match=f"kv_lens of sequence 0 is {CAPACITY + 1}"):
+            kern(q2, k2, v2, kv_lens=lens)
+        with pytest.raises(InputError, match="kv_lens must be a 1-D int32 tensor"):
+            kern(q2, k2, v2, kv_lens=lens.long())
 
 
 @pytest.mark.parametrize("hkv, q_rows", [(8, 1), (2, 1), (1, 3), (1, 16)], ids=["mha", "gqa", "mqa", "mqa_16_tokens"])

@@ -79,6 +79,40 @@ def test_bad_calls_say_what_was_expected(padded, mutate, message):
         padded(q, k, v, **inputs)
 
 
+def test_a_plain_call_like_one_made_before_skips_its_checks_until_its_signature_changes(padded):
+    """A plain call (q, k, v and the declared inputs) is kept by its signature once its checks passed
+    (Kernel._plain_calls): a call with equal shapes, strides, element types, devices and alignment, gradient or
+    not, runs with nothing decided again. Anything of that changing is checked again (a bad dtype, a bad input
+    shape), and a call of other strides or with a gradient is a signature of its own, as exact as the first."""
+    q, k, v = _qkv()
+    lens = torch.tensor([3, 11], dtype=torch.int32, device=q.device)
+
+    def check(out, q, k, v, lens):
+        assert not torch.isnan(out).any()
+        want = attngen.reference(padded, q.double().cpu(), k.double().cpu(), v.double().cpu(), lens=lens.cpu())
+        assert (out.double().cpu() - want).abs().max() < 2e-2
+
+    check(padded(q, k, v, lens=lens), q, k, v, lens)
+    assert len(padded._plain_calls) == 1
+    check(padded(q, k, v, lens=lens), q, k, v, lens)  # replayed: no new entry
+    assert len(padded._plain_calls) == 1
+    with pytest.raises(InputError, match="q is torch.float32"):
+        padded(q.float(), k, v, lens=lens)
+    with pytest.raises(InputError, match=r"input 'lens' dimension 0 \(B\) is 1, but B is 2"):
+        padded(q, k, v, lens=lens[:1])
+    k_rows = k.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, other strides: a signature of its own
+    check(padded(q, k_rows, v, lens=lens), q, k, v, lens)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = padded(*leaves, lens=lens)
+    check(out, q, k, v, lens)
+    out.float().sum().backward()
+    exact = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    attngen.reference(padded, *exact, lens=lens.cpu()).sum().backward()
+    for got, want in zip(leaves, exact):
+        assert not torch.isnan(got.grad).any() and (got.grad.double().cpu() - want.grad).abs().max() < 5e-2
+    assert len(padded._plain_calls) == 3
+
+
 def test_direct_index_out_of_range_is_refused(target):
     kern = attngen.compile(ROOT / "specs" / "document.attn", target)
     q, k, v = _qkv(nq=20, nk=8)

@@ -25,14 +25,19 @@ PLAIN = (0.0, None, None, None)  # AttentionFunction's options of a plain call
 class AttentionFunction(torch.autograd.Function):
     """An eager call: a few microseconds of dispatch (a torch.library custom op with autograd cost ~55 us more per
     call on the 2-core CPU machine, so the ops serve torch.compile only; both run Kernel._forward_impl and
-    _backward_impl). `options`: (dropout_p, seed, block_mask, varlen), or None for none of them (a plain call:
-    fewer arguments for autograd to pass over)."""
+    _backward_impl). `options`: (dropout_p, seed, block_mask, varlen); for a plain call (none of them), None or
+    its kernel.PlainCall, whose passes were chosen once for its signature."""
 
     @staticmethod
     def forward(ctx, kernel, options, q, k, v, *inputs):
         ctx.set_materialize_grads(False)
-        options = options or PLAIN
-        o, lse = kernel._forward_impl(q, k, v, inputs, *options)
+        if options is None or type(options) is tuple:
+            options = options or PLAIN
+            o, lse = kernel._forward_impl(q, k, v, inputs, *options)
+            ctx.route = None
+        else:  # a plain call's passes (kernel.PlainCall)
+            o, lse = options.forward(q, k, v, inputs)
+            ctx.route, options = options.backward, PLAIN
         ctx.kernel, ctx.options = kernel, options
         ctx.save_for_backward(q, k, v, o, lse, *inputs)
         return o, lse
@@ -44,6 +49,8 @@ class AttentionFunction(torch.autograd.Function):
             return (None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
         if do is None:
             do = torch.zeros_like(o)
+        if ctx.route is not None:  # (a plain call with no float input: no input gradient)
+            return (None, None, *ctx.route(q, k, v, o, lse, do, dlse, inputs)) + (None,) * len(inputs)
         dropout_p, seed, block_mask, varlen = ctx.options
         wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[5:], inputs)]
         dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, any(wanted), varlen)

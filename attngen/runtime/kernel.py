@@ -25,16 +25,38 @@ from ..plan.tune import bucket as tune_bucket
 from .autograd import AttentionFunction, Ops
 from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
+from .dtypes import TORCH_DTYPES
 from .evaluate import sink_rows
 from .fp8 import dequantize, fp8_call
 from .input_grads import LOG2E, reduce_input_grads, row_delta, sink_share_grads, unpacked_rows
 from .layout import empty_like_layout
 from .loader import check_device, interpreted_if_cpu, is_sm90
 from .packed import check_packed, check_packed_features
-from .serving import decode_impl, serving_call
+from .serving import decode_impl, serving_call, serving_signature
+from .signature import call_signature
 from .twins import float32_twin, up
 
 LN2 = 0.6931471805599453
+
+
+class PlainCall:
+    """What a plain call (q, k, v and the declared inputs, nothing else) of one signature runs, decided by its
+    first call once its checks passed: the decode kernels (decodes), or `forward`, fn(q, k, v, inputs) -> (O, lse in
+    log2 units), in an autograd node where the call records a gradient (grad), whose backward is `backward`,
+    fn(q, k, v, o, lse, do, dlse, inputs) -> (dQ, dK, dV), or None: Kernel._backward_impl's choice at each call."""
+
+    __slots__ = ("dims", "names", "grad", "decodes", "forward", "backward")
+
+    def __init__(self, dims: Dims, names: list[str], grad: bool, decodes: bool, forward, backward):
+        self.dims, self.names, self.grad, self.decodes, self.forward, self.backward = dims, names, grad, decodes, forward, backward
+
+    def run(self, kernel: Kernel, key: tuple, q, k, v, inputs: dict):
+        tensors = [inputs[name] for name in self.names]
+        if self.grad:
+            return AttentionFunction.apply(kernel, self, q, k, v, *tensors)
+        if self.decodes:
+            return decode_impl(kernel, q, k, v, tensors, None, None, None, self.dims, known=key)
+        return self.forward(q, k, v, tensors)
 
 
 class Kernel:
@@ -51,6 +73,16 @@ class Kernel:
         # `auto` tiles (attngen/plan/tune.py): measured per shape bucket on the GPU; None: the plan's tiles
         self.tuner = Tuner(kernel_plan, source) if spec.tune else None
         self._passed: dict[tuple, Dims] = {}  # calls whose checks passed: checks.check_call, serving.serving_call
+        # plain calls (no option but the declared inputs) by signature (signature.call_signature): their checks passed
+        # and their kernels chosen; None for a spec whose calls always take options (dropout, runtime sparsity, FP8, caches)
+        # serving calls on a GPU by signature (serving.serving_signature): serving.ServingCall; None where the spec
+        # takes FP8 caches (their descale factors vary by call) or options the decode kernels refuse
+        self._serving_calls: dict[tuple, object] | None = (
+            {} if spec.dropout == 0.0 and spec.sparsity != "runtime" and spec.kv_dtype is None and spec.dtype is not DType.FP8 else None)
+        self._op_forwards: dict[tuple, object] = {}  # the same for the forwards of torch.compile's operator: _op_forward
+        self._plain_calls: dict[tuple, PlainCall] | None = (
+            {} if spec.dropout == 0.0 and spec.sparsity != "runtime" and spec.dtype is not DType.FP8 and spec.kv_dtype is None
+            and spec.kv_layout is not KVLayout.PAGED else None)
         self._decode_shapes: dict[Dims, object] = {}  # plan.decode.decode_shape of each call's sizes: serving.decode_impl
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
         self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _twin
@@ -99,6 +131,29 @@ class Kernel:
         Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of custom
         ops (forward, backward) named after the kernel, so a compiled model calls it with no graph break."""
         compiling = torch.compiler.is_compiling()
+        key = None
+        if ((kv_lens is not None or block_table is not None) and self._serving_calls is not None and not compiling and dropout_p is None
+                and seed is None and block_mask is None and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
+                and max_seqlen_k is None and q_descale is None and k_descale is None and v_descale is None):
+            key = serving_signature(q, k, v, inputs, kv_lens, q_lens, block_table)
+            served = self._serving_calls.get(key)
+            if served is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                                         or any(t.requires_grad for t in inputs.values()))):
+                # a serving call like one made before: its checks passed, its split known (the values are checked)
+                o, lse2 = served.run(self, key, q, k, v, inputs, kv_lens, q_lens, block_table)
+                return (o, lse2 * LN2) if return_lse else o
+            key = None
+        if (self._plain_calls is not None and not compiling and dropout_p is None and seed is None and block_mask is None
+                and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None and kv_lens is None
+                and q_lens is None and block_table is None and q_descale is None and k_descale is None and v_descale is None):
+            try:
+                key = call_signature(q, k, v, inputs)
+            except AttributeError:  # not tensors: the checks below say which
+                key = None
+            plain = self._plain_calls.get(key)
+            if plain is not None:  # a plain call like one made before: its checks passed, its kernels known
+                o, lse2 = plain.run(self, key, q, k, v, inputs)
+                return (o, lse2 * LN2) if return_lse else o
         if self.spec.dtype is DType.FP8 or (self.spec.kv_dtype is None and (q_descale is not None or k_descale is not None or v_descale is not None)):
             o, lse2 = fp8_call(self, q, k, v, inputs, (q_descale, k_descale, v_descale), dropout_p, seed, block_mask, compiling,
                                any(t is not None for t in (kv_lens, q_lens, block_table, cu_seqlens_q, cu_seqlens_k)))
@@ -124,6 +179,14 @@ class Kernel:
             check_packed_features(self.spec, tensors, grad, bool(self.plan.read_grads), compiling)
         # few queries, nothing to differentiate: the decode kernels (serving.py)
         decodes = not grad and varlen is None and not p and block_mask is None and takes_plain_call(dims.q_len, dims.kv_len)
+        if key is not None and not dims.empty:  # a plain call: kept by its signature (PlainCall), and run as it will be
+            if len(self._plain_calls) >= 256:  # many signatures (lengths varying call by call): start again
+                self._plain_calls.clear()
+            plain = self._plain_calls[key] = PlainCall(dims, [d.name for d in self.spec.inputs], grad, decodes,
+                                                       None if decodes else self._plain_forward(dims, q.device, key),
+                                                       self._plain_backward(dims, q.device) if grad else None)
+            o, lse2 = plain.run(self, key, q, k, v, inputs)
+            return (o, lse2 * LN2) if return_lse else o
         if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
             o, lse2 = self._ops().varlen_forward(*packed, tensors, *varlen, p, seed_t)
             return (o, lse2 * LN2) if return_lse else o
@@ -178,6 +241,43 @@ class Kernel:
             return self._triton_forward(dims, extra, q, k, v, inputs)
         with interpreted_if_cpu(q.device):
             return self.module.attention_forward(q, k, v, *inputs, **extra, varlen=varlen)
+
+    def _op_forward(self, q, k, v, inputs: list):
+        """The forward of a plain call in torch.compile's operator (autograd.Ops; the call was checked when it was
+        traced): O and the lse in log2 units by the kernels _plain_forward chose for its signature."""
+        key = call_signature(q, k, v, inputs)
+        forward = self._op_forwards.get(key)
+        if forward is None:
+            dims = dims_of(q, k)
+            if dims.empty:
+                return self._forward_impl(q, k, v, inputs, 0.0, None, None)
+            if len(self._op_forwards) >= 256:
+                self._op_forwards.clear()
+            forward = self._op_forwards[key] = self._plain_forward(dims, q.device, key)
+        return forward(q, k, v, inputs)
+
+    def _plain_forward(self, dims: Dims, device: torch.device, key: tuple):
+        """The forward of a plain call without gradient (PlainCall): fn(q, k, v, inputs) -> (O, the lse in log2 units),
+        the kernels _forward_impl takes for these sizes on this device, called with nothing left to decide (the
+        Gluon module's replays the launch of the call signature `key`)."""
+        gluon = self.gluon
+        if device.type == "cuda" and self.generator.forward_at(dims.kv_len) == "gluon" and is_sm90(device):
+            if getattr(gluon, "_FORWARD_CALLS", None) is not None:  # a module keeping recipes: `known` is the signature
+                return lambda q, k, v, inputs: gluon.attention_forward(q, k, v, *inputs, known=key)
+            return lambda q, k, v, inputs: gluon.attention_forward(q, k, v, *inputs)
+        if device.type == "cuda":
+            return lambda q, k, v, inputs: self._triton_forward(dims, {}, q, k, v, inputs)
+        return lambda q, k, v, inputs: self._forward_impl(q, k, v, inputs, 0.0, None, None)
+
+    def _plain_backward(self, dims: Dims, device: torch.device):
+        """The backward of a plain call (PlainCall) where _backward_impl would take the Gluon kernels and no input
+        has a gradient (the spec declares no float input): fn(q, k, v, o, lse, do, dlse, inputs) -> (dQ, dK, dV);
+        None otherwise (_backward_impl decides at each call)."""
+        if (device.type != "cuda" or any(TORCH_DTYPES[d.dtype].is_floating_point for d in self.spec.inputs)
+                or not self._gluon_backward(dims.q_len, dims.kv_len) or not is_sm90(device)):
+            return None
+        gluon = self.gluon
+        return lambda q, k, v, o, lse, do, dlse, inputs: gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
 
     def _named(self, inputs) -> dict:
         """The declared inputs (given in the spec's order) by name."""

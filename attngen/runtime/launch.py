@@ -125,9 +125,9 @@ class BoundLaunch:
         launcher = self.launcher
         fn = launcher.namespace[launcher.name]
         if self.direct is not None and fn is self.fn and not _hooked():
-            device = driver.active.get_current_device()
+            device = _current_device()
             if device == self.device:
-                self.direct(self.grid, tensors, driver.active.get_current_stream(device))
+                self.direct(self.grid, tensors, _current_stream(device))
                 return
         launcher.launch_recipe(self.known, self.grid, self.recipe, tensors, **self.kwargs)
         self.direct = None
@@ -136,6 +136,12 @@ class BoundLaunch:
             direct = launcher.direct.get(_known_key(device, self.known, self.kwargs))
             if direct:
                 self.direct, self.fn, self.device = direct, fn, device
+
+
+# The current CUDA device and stream as a direct launch asks for them: what Triton's CUDA driver asks torch, without
+# the Python around it (a direct launch is a CUDA one; a CPU build of torch has neither function).
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _known_key(device, known, kwargs: dict) -> tuple:

@@ -10,7 +10,8 @@ from ..plan.decode import decode_shape
 from .checks import Dims, check_all
 from .fp8 import cache_scales
 from .layout import leading_columns_of
-from .loader import check_device, interpreted_if_cpu
+from .signature import decode_signature
+from .loader import check_device, interpreted
 from .twins import up
 
 
@@ -39,26 +40,65 @@ def serving_call(kernel, q, k, v, inputs: dict, kv_lens, q_lens, block_table, dr
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise InputError(f"q must be a 4-D tensor (batch, heads, tokens, head_dim), got {tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *inputs.values()) if isinstance(t, torch.Tensor))
-    # the checks below read shapes, element types and devices only: a call alike in those to one that passed skips them
-    key = ("serving", *[(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t if t is None else type(t) for t in (q, k, v, kv_lens, q_lens)],
-           (block_table.shape, block_table.stride(), block_table.dtype, block_table.device) if isinstance(block_table, torch.Tensor) else type(block_table),
-           *[(name, t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else (name, type(t)) for name, t in inputs.items()])
-    dims = None if compiling or grad else kernel._passed.get(key)
+    # the checks below read shapes, element types and devices only: a call with the signature of one that passed
+    # skips them (the signature also holds the strides and alignments the decode launch follows from: it replays that)
+    key = None if compiling else serving_signature(q, k, v, inputs, kv_lens, q_lens, block_table)  # (torch.compile: guards)
+    dims = None if grad or key is None else kernel._passed.get(key)
     if dims is not None:
         tensors = [inputs[d.name] for d in spec.inputs]
     else:
         dims, tensors = _check_serving_call(kernel, q, k, v, inputs, kv_lens, q_lens, block_table)
-        if not compiling:
+        if key is not None:
             if len(kernel._passed) >= 256:
                 kernel._passed.clear()
             kernel._passed[key] = dims
     if compiling:  # one custom op; the values are not read while tracing (the kernels clamp lengths and pages)
         return kernel._ops().decode(q, k, v, tensors, kv_lens, q_lens, block_table)
+    if (key is not None and kernel._serving_calls is not None and (q.device.type == "cuda" or spec.dtype is not DType.BF16)
+            and dims.batch and dims.q_len and dims.heads):  # kept for calls like this one (Kernel.__call__ replays it; a
+        # bf16 spec on the CPU runs its float32 twin: decode_impl)
+        shape = decode_shape(kernel.plan, dims.batch, dims.heads, dims.kv_heads, dims.q_len, dims.kv_len)
+        if len(kernel._serving_calls) >= 256:
+            kernel._serving_calls.clear()
+        served = kernel._serving_calls[key] = ServingCall(dims, [d.name for d in spec.inputs], shape.block_r, shape.splits,
+                                                          k.shape[0] if paged else 0, spec.page_size if paged else 0)
+        return served.run(kernel, key, q, k, v, inputs, kv_lens, q_lens, block_table)
     check_serving_values(kv_lens, q_lens, block_table, dims, k.shape[0] if paged else 0, spec.page_size if paged else 0)
     kv_scales = None
     if spec.kv_dtype is DType.FP8:
         kv_scales = tuple(cache_scales(name, s, dims.batch, dims.kv_heads, q.device) for name, s in (("k_descale", descales[1]), ("v_descale", descales[2])))
-    return decode_impl(kernel, q, k, v, tensors, kv_lens, q_lens, block_table, dims, kv_scales)
+        key = None  # (the scales' tensors are made by this call)
+    return decode_impl(kernel, q, k, v, tensors, kv_lens, q_lens, block_table, dims, kv_scales, known=key)
+
+
+def serving_signature(q, k, v, inputs: dict, kv_lens, q_lens, block_table) -> tuple | None:
+    """The signature of a serving call (signature.decode_signature, the inputs by name); None where an argument is
+    not a tensor (the checks say which)."""
+    try:
+        return ("serving", *inputs, *decode_signature(q, k, v, (kv_lens, q_lens, block_table), tuple(inputs.values())))
+    except AttributeError:
+        return None
+
+
+class ServingCall:
+    """A serving call (bf16/fp16/fp32 caches; on the CPU, fp16/fp32) of one signature, as its first call decided it once its
+    checks passed: its sizes, the order of its inputs, the decode kernel's rows per program and split, and the
+    cache's pages for the value checks, which run at every call (check_serving_values)."""
+
+    __slots__ = ("dims", "names", "block_r", "splits", "num_pages", "page_size")
+
+    def __init__(self, dims: Dims, names: list[str], block_r: int, splits: int, num_pages: int, page_size: int):
+        self.dims, self.names, self.block_r, self.splits, self.num_pages, self.page_size = dims, names, block_r, splits, num_pages, page_size
+
+    def run(self, kernel, key: tuple, q, k, v, inputs: dict, kv_lens, q_lens, block_table):
+        check_serving_values(kv_lens, q_lens, block_table, self.dims, self.num_pages, self.page_size)
+        if q.device.type == "cuda":
+            return kernel.module.attention_decode(q, k, v, *[inputs[name] for name in self.names], kv_lens=kv_lens, q_lens=q_lens,
+                                                  block_table=block_table, block_r=self.block_r, num_splits=self.splits, known=key)
+        check_device(q.device, kernel.module)
+        with interpreted():
+            return kernel.module.attention_decode(q, k, v, *[inputs[name] for name in self.names], kv_lens=kv_lens, q_lens=q_lens,
+                                                  block_table=block_table, block_r=self.block_r, num_splits=self.splits, known=key)
 
 
 def _check_serving_call(kernel, q, k, v, inputs: dict, kv_lens, q_lens, block_table) -> tuple[Dims, list[torch.Tensor]]:
@@ -95,14 +135,17 @@ def serving_dims(q, k, block_table) -> Dims:
     return Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
 
 
-def decode_impl(kernel, q, k, v, inputs, kv_lens, q_lens, block_table, dims: Dims, kv_scales=None):
+def decode_impl(kernel, q, k, v, inputs, kv_lens, q_lens, block_table, dims: Dims, kv_scales=None, known=None):
     """O and the lse in log2 units by the decode kernels (their split: attngen/plan/decode.py); the tensors are
     checked.
-    kv_scales: an FP8 cache's (k's, v's) descale factors, (B, Hkv) float32 each."""
-    check_device(q.device, kernel.module)
+    kv_scales: an FP8 cache's (k's, v's) descale factors, (B, Hkv) float32 each. known: the call's signature
+    (signature.decode_signature, with anything more), which the module replays the launch of a call by."""
+    cuda = q.device.type == "cuda"
+    if not cuda:
+        check_device(q.device, kernel.module)
     if dims.batch == 0 or dims.q_len == 0 or dims.heads == 0:
         return q.new_zeros((*q.shape[:3], v.shape[-1])), torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
-    if q.device.type == "cpu" and kernel.spec.dtype is DType.BF16:
+    if not cuda and kernel.spec.dtype is DType.BF16:
         q32, k32, v32 = up(q, k, v)
         if leading_columns_of(v, k):  # V a view of K's first columns stays one
             v32 = k32[..., :v.shape[-1]]
@@ -113,10 +156,13 @@ def decode_impl(kernel, q, k, v, inputs, kv_lens, q_lens, block_table, dims: Dim
         if len(kernel._decode_shapes) >= 256:
             kernel._decode_shapes.clear()
         shape = kernel._decode_shapes[dims] = decode_shape(kernel.plan, dims.batch, dims.heads, dims.kv_heads, dims.q_len, dims.kv_len)
-    with interpreted_if_cpu(q.device):
-        scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+    scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+    if cuda:
         return kernel.module.attention_decode(q, k, v, *inputs, kv_lens=kv_lens, q_lens=q_lens, block_table=block_table,
-                                              block_r=shape.block_r, num_splits=shape.splits, **scales)
+                                              block_r=shape.block_r, num_splits=shape.splits, known=known, **scales)
+    with interpreted():
+        return kernel.module.attention_decode(q, k, v, *inputs, kv_lens=kv_lens, q_lens=q_lens, block_table=block_table,
+                                              block_r=shape.block_r, num_splits=shape.splits, known=known, **scales)
 
 
 def check_serving_values(kv_lens, q_lens, block_table, dims: Dims, num_pages: int, page_size: int) -> None:
@@ -126,7 +172,8 @@ def check_serving_values(kv_lens, q_lens, block_table, dims: Dims, num_pages: in
     first = next((t for t in (kv_lens, q_lens) if t is not None), None)
     if first is None:
         return
-    key = tuple((id(t), t._version) if t is not None else None for t in (kv_lens, q_lens, block_table)) + (dims.q_len, dims.kv_len, num_pages)
+    key = (id(kv_lens), kv_lens._version if kv_lens is not None else 0, id(q_lens), q_lens._version if q_lens is not None else 0,
+           id(block_table), block_table._version if block_table is not None else 0, dims.q_len, dims.kv_len, num_pages)
     if first.__dict__.get("_attngen_checked") == key:
         return
     lens = kv_lens if kv_lens is not None else torch.full_like(q_lens, dims.kv_len)
