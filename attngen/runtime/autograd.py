@@ -58,11 +58,14 @@ class AttentionFunction(torch.autograd.Function):
 
 
 class Ops:
-    """A kernel's torch.library custom ops, which torch.compile traces as single calls (with dynamic shapes): the
+    """A kernel's torch library operators, which torch.compile traces as single calls (with dynamic shapes): the
     forward `attngen::<name>_fwd` (O and the lse in log2 units) and the backward `attngen::<name>_bwd`, its
     autograd formula. <name> is the spec's name and the first 12 hex digits of the spec's sha256, and a number
     where another kernel of the same spec (another target, generator or bundle) is registered in this process.
-    Fake implementations give the outputs' shapes; the real ones run Kernel._forward_impl / _backward_impl."""
+    Fake implementations give the outputs' shapes; the real ones run Kernel._forward_impl / _backward_impl.
+    They are defined through torch.library.Library (a schema, a kernel per device type, a fake kernel and an
+    autograd formula), not torch.library.custom_op, whose wrapper checks every call's outputs for aliases of its
+    inputs: on an H200's host that check took longer than the rest of a compiled call."""
 
     _names: dict[str, int] = {}
 
@@ -74,6 +77,8 @@ class Ops:
 
         def forward(q: Tensor, k: Tensor, v: Tensor, inputs: list[Tensor], dropout_p: float, seed: Tensor | None,
                     block_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+            if seed is None and block_mask is None:  # a plain call: its forward kept by signature
+                return kernel._op_forward(q, k, v, inputs)
             return kernel._forward_impl(q, k, v, inputs, dropout_p, seed, block_mask)
 
         def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, dlse: Tensor | None, inputs: list[Tensor],
@@ -84,13 +89,14 @@ class Ops:
                    block_table: Tensor | None) -> tuple[Tensor, Tensor]:
             return decode_impl(kernel, q, k, v, inputs, kv_lens, q_lens, block_table, serving_dims(q, k, block_table))
 
-        self.decode = torch.library.custom_op(f"attngen::{self.name}_decode", decode, mutates_args=())
-        self.decode.register_fake(_fake_decode)
-        self.forward = torch.library.custom_op(f"attngen::{self.name}_fwd", forward, mutates_args=())
-        self.backward = torch.library.custom_op(f"attngen::{self.name}_bwd", backward, mutates_args=())
-        self.forward.register_fake(_fake_forward)
-        self.backward.register_fake(_fake_backward)
-        self.forward.register_autograd(self._autograd, setup_context=_setup_context)
+        self.decode = _define(f"{self.name}_decode", "(Tensor q, Tensor k, Tensor v, Tensor[] inputs, Tensor? kv_lens, Tensor? q_lens, "
+                              "Tensor? block_table) -> (Tensor, Tensor)", decode, _fake_decode)
+        self.forward = _define(f"{self.name}_fwd", "(Tensor q, Tensor k, Tensor v, Tensor[] inputs, float dropout_p, Tensor? seed, "
+                               "Tensor? block_mask) -> (Tensor, Tensor)", forward, _fake_forward)
+        self.backward = _define(f"{self.name}_bwd", "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, Tensor? dlse, "
+                                "Tensor[] inputs, float dropout_p, Tensor? seed, Tensor? block_mask, bool input_grads) -> "
+                                "(Tensor, Tensor, Tensor, Tensor[])", backward, _fake_backward)
+        torch.library.register_autograd(self.forward, self._autograd, setup_context=_setup_context, lib=_LIBRARY)
 
         # packed sequences (cu_seqlens): q, k, v, O, dO and the gradients in flash_attn's (total, H, D) layout, the
         # lse (Hq, total); the kernels see them as (1, H, total, D) views (packed.check_packed)
@@ -107,11 +113,14 @@ class Ops:
                                                   inputs, dropout_p, seed, None, False, varlen)
             return tokens_first(dq), tokens_first(dk), tokens_first(dv)
 
-        self.varlen_forward = torch.library.custom_op(f"attngen::{self.name}_varlen_fwd", varlen_forward, mutates_args=())
-        self.varlen_backward = torch.library.custom_op(f"attngen::{self.name}_varlen_bwd", varlen_backward, mutates_args=())
-        self.varlen_forward.register_fake(_fake_varlen_forward)
-        self.varlen_backward.register_fake(_fake_varlen_backward)
-        self.varlen_forward.register_autograd(self._varlen_autograd, setup_context=_setup_varlen_context)
+        self.varlen_forward = _define(f"{self.name}_varlen_fwd", "(Tensor q, Tensor k, Tensor v, Tensor[] inputs, Tensor cu_seqlens_q, "
+                                      "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, Tensor? seed) -> "
+                                      "(Tensor, Tensor)", varlen_forward, _fake_varlen_forward)
+        self.varlen_backward = _define(f"{self.name}_varlen_bwd", "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, "
+                                       "Tensor? dlse, Tensor[] inputs, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+                                       "SymInt max_seqlen_k, float dropout_p, Tensor? seed) -> (Tensor, Tensor, Tensor)", varlen_backward,
+                                       _fake_varlen_backward)
+        torch.library.register_autograd(self.varlen_forward, self._varlen_autograd, setup_context=_setup_varlen_context, lib=_LIBRARY)
 
     def _autograd(self, ctx, do, dlse):
         q, k, v, o, lse, *rest = ctx.saved_tensors
@@ -128,6 +137,18 @@ class Ops:
             do = torch.zeros_like(o)
         dq, dk, dv = self.varlen_backward(q, k, v, o, lse, do, dlse, inputs, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.dropout_p, seed)
         return dq, dk, dv, [None] * ctx.n_inputs, None, None, None, None, None, None
+
+
+_LIBRARY = torch.library.Library("attngen", "FRAGMENT")  # the operators of every kernel (Ops), kept for the process
+
+
+def _define(name: str, schema: str, impl, fake):
+    """The operator attngen::<name><schema>: `impl` its kernel on CPU and CUDA tensors, `fake` its shapes."""
+    _LIBRARY.define(name + schema)
+    for device_type in ("CPU", "CUDA"):
+        _LIBRARY.impl(name, impl, device_type)
+    torch.library.register_fake(f"attngen::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.attngen, name).default
 
 
 def _setup_varlen_context(ctx, inputs, output) -> None:
