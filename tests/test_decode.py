@@ -327,6 +327,7 @@ def _bad_paged_call(device, **changes):
     ({"kv_lens": _lens([-1, 3], "cpu")}, "kv_lens of sequence 0 is -1"),
     ({"kv_lens": torch.tensor([20, 32])}, "kv_lens must be a 1-D int32 tensor of one length per sequence, got torch.int64"),
     ({"kv_lens": _lens([20], "cpu")}, "kv_lens has 1 entries; the batch has 2 sequences"),
+    ({"kv_lens": _lens([20, 0, 32, 0], "cpu")[::2]}, r"kv_lens's entries must be contiguous \(stride 1\), got stride 2"),
     ({"q_lens": _lens([1, 2], "cpu")}, "q_lens of sequence 1 is 2; q holds 0..1 queries per sequence"),
     ({"k": torch.zeros(6, 8, HKV, 64)}, r"k has pages of 8 tokens \(dimension 1\); the spec says page_size = 16"),
     ({"k": torch.zeros(6, 16, 3, 64)}, r"k and v must have the same batch, heads and tokens"),

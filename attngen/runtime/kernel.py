@@ -75,14 +75,14 @@ class Kernel:
         self._passed: dict[tuple, Dims] = {}  # calls whose checks passed: checks.check_call, serving.serving_call
         # plain calls (no option but the declared inputs) by signature (signature.call_signature): their checks passed
         # and their kernels chosen; None for a spec whose calls always take options (dropout, runtime sparsity, FP8, caches)
-        # serving calls on a GPU by signature (serving.serving_signature): serving.ServingCall; None where the spec
-        # takes FP8 caches (their descale factors vary by call) or options the decode kernels refuse
-        self._serving_calls: dict[tuple, object] | None = (
-            {} if spec.dropout == 0.0 and spec.sparsity != "runtime" and spec.kv_dtype is None and spec.dtype is not DType.FP8 else None)
-        self._op_forwards: dict[tuple, object] = {}  # the same for the forwards of torch.compile's operator: _op_forward
         self._plain_calls: dict[tuple, PlainCall] | None = (
             {} if spec.dropout == 0.0 and spec.sparsity != "runtime" and spec.dtype is not DType.FP8 and spec.kv_dtype is None
             and spec.kv_layout is not KVLayout.PAGED else None)
+        self._op_forwards: dict[tuple, object] = {}  # the same for the forwards of torch.compile's operator: _op_forward
+        # serving calls by signature (serving.serving_signature): serving.ServingCall; None where the spec takes FP8
+        # caches (their descale factors vary by call) or options the decode kernels refuse
+        self._serving_calls: dict[tuple, object] | None = (
+            {} if spec.dropout == 0.0 and spec.sparsity != "runtime" and spec.kv_dtype is None and spec.dtype is not DType.FP8 else None)
         self._decode_shapes: dict[Dims, object] = {}  # plan.decode.decode_shape of each call's sizes: serving.decode_impl
         self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
         self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _twin
@@ -128,8 +128,10 @@ class Kernel:
         FP8 (a `dtype = fp8` spec, forward only): q, k, v in e4m3 and their float32 descale factors q_descale,
         k_descale, v_descale (default 1; shapes in attngen.fp8, which also quantizes); O in bf16.
 
-        Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of custom
-        ops (forward, backward) named after the kernel, so a compiled model calls it with no graph break."""
+        Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of operators
+        (forward, backward) named after the kernel, so a compiled model calls it with no graph break. A plain or
+        serving call with the signature of one made before (each tensor's shape, strides, dtype, device and
+        alignment; whether it records a gradient) skips the checks and choices that one passed (signature.py)."""
         compiling = torch.compiler.is_compiling()
         key = None
         if ((kv_lens is not None or block_table is not None) and self._serving_calls is not None and not compiling and dropout_p is None

@@ -52,7 +52,7 @@ def serving_call(kernel, q, k, v, inputs: dict, kv_lens, q_lens, block_table, dr
             if len(kernel._passed) >= 256:
                 kernel._passed.clear()
             kernel._passed[key] = dims
-    if compiling:  # one custom op; the values are not read while tracing (the kernels clamp lengths and pages)
+    if compiling:  # one operator; the values are not read while tracing (the kernels clamp lengths and pages)
         return kernel._ops().decode(q, k, v, tensors, kv_lens, q_lens, block_table)
     if (key is not None and kernel._serving_calls is not None and (q.device.type == "cuda" or spec.dtype is not DType.BF16)
             and dims.batch and dims.q_len and dims.heads):  # kept for calls like this one (Kernel.__call__ replays it; a
@@ -81,9 +81,9 @@ def serving_signature(q, k, v, inputs: dict, kv_lens, q_lens, block_table) -> tu
 
 
 class ServingCall:
-    """A serving call (bf16/fp16/fp32 caches; on the CPU, fp16/fp32) of one signature, as its first call decided it once its
-    checks passed: its sizes, the order of its inputs, the decode kernel's rows per program and split, and the
-    cache's pages for the value checks, which run at every call (check_serving_values)."""
+    """A serving call of one signature (bf16/fp16/fp32 caches; fp16/fp32 on the CPU) as its first call decided it
+    once its checks passed: its sizes, the order of its inputs, the decode kernel's rows per program and split,
+    and the cache's pages for the value checks, which run at every call (check_serving_values)."""
 
     __slots__ = ("dims", "names", "block_r", "splits", "num_pages", "page_size")
 
@@ -200,8 +200,11 @@ def _check_int32(name: str, t, dim: int, what: str, batch: int, rows: str, devic
 
 
 def check_lengths(name: str, lens, batch: int, device: torch.device) -> None:
-    """`lens` is an int32 (B,) tensor on `device` (values are checked where they are used)."""
+    """`lens` is an int32 (B,) tensor on `device`, its entries adjacent (the kernels read entry b at lens + b; values
+    are checked where they are used)."""
     _check_int32(name, lens, 1, "of one length per sequence", batch, "entries", device)
+    if batch > 1 and lens.stride(0) != 1:
+        raise InputError(f"{name}'s entries must be contiguous (stride 1), got stride {lens.stride(0)}; pass {name}.contiguous()")
 
 
 def check_block_table(block_table, batch: int, device: torch.device) -> None:
