@@ -264,8 +264,18 @@ class Kernel:
         Gluon module's replays the launch of the call signature `key`)."""
         gluon = self.gluon
         if device.type == "cuda" and self.generator.forward_at(dims.kv_len) == "gluon" and is_sm90(device):
-            if getattr(gluon, "_FORWARD_CALLS", None) is not None:  # a module keeping recipes: `known` is the signature
-                return lambda q, k, v, inputs: gluon.attention_forward(q, k, v, *inputs, known=key)
+            if hasattr(gluon, "forward_replay"):  # a module keeping recipes: `known` is the signature, replayed once it has one
+                replayed = []
+
+                def forward(q, k, v, inputs):
+                    if replayed:
+                        return replayed[0](q, k, v)
+                    out = gluon.attention_forward(q, k, v, *inputs, known=key)
+                    replay = gluon.forward_replay(key)
+                    if replay is not None:
+                        replayed.append(replay)
+                    return out
+                return forward
             return lambda q, k, v, inputs: gluon.attention_forward(q, k, v, *inputs)
         if device.type == "cuda":
             return lambda q, k, v, inputs: self._triton_forward(dims, {}, q, k, v, inputs)

@@ -85,20 +85,27 @@ class ServingCall:
     once its checks passed: its sizes, the order of its inputs, the decode kernel's rows per program and split,
     and the cache's pages for the value checks, which run at every call (check_serving_values)."""
 
-    __slots__ = ("dims", "names", "block_r", "splits", "num_pages", "page_size")
+    __slots__ = ("dims", "names", "block_r", "splits", "num_pages", "page_size", "replay")
 
     def __init__(self, dims: Dims, names: list[str], block_r: int, splits: int, num_pages: int, page_size: int):
         self.dims, self.names, self.block_r, self.splits, self.num_pages, self.page_size = dims, names, block_r, splits, num_pages, page_size
+        self.replay = None  # the module's replay of this signature's launch (decode_replay), once it has one
 
     def run(self, kernel, key: tuple, q, k, v, inputs: dict, kv_lens, q_lens, block_table):
         check_serving_values(kv_lens, q_lens, block_table, self.dims, self.num_pages, self.page_size)
         if q.device.type == "cuda":
-            return kernel.module.attention_decode(q, k, v, *[inputs[name] for name in self.names], kv_lens=kv_lens, q_lens=q_lens,
-                                                  block_table=block_table, block_r=self.block_r, num_splits=self.splits, known=key)
+            return self._decode(kernel, key, q, k, v, inputs, kv_lens, q_lens, block_table)
         check_device(q.device, kernel.module)
         with interpreted():
-            return kernel.module.attention_decode(q, k, v, *[inputs[name] for name in self.names], kv_lens=kv_lens, q_lens=q_lens,
-                                                  block_table=block_table, block_r=self.block_r, num_splits=self.splits, known=key)
+            return self._decode(kernel, key, q, k, v, inputs, kv_lens, q_lens, block_table)
+
+    def _decode(self, kernel, key: tuple, q, k, v, inputs: dict, kv_lens, q_lens, block_table):
+        if self.replay is not None:
+            return self.replay(q, k, v, kv_lens, q_lens, block_table, [inputs[name] for name in self.names])
+        out = kernel.module.attention_decode(q, k, v, *[inputs[name] for name in self.names], kv_lens=kv_lens, q_lens=q_lens,
+                                             block_table=block_table, block_r=self.block_r, num_splits=self.splits, known=key)
+        self.replay = kernel.module.decode_replay(key, self.block_r, self.splits)
+        return out
 
 
 def _check_serving_call(kernel, q, k, v, inputs: dict, kv_lens, q_lens, block_table) -> tuple[Dims, list[torch.Tensor]]:
