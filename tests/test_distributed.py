@@ -40,12 +40,13 @@ SPECS = {
 B, HQ, HKV, N = 1, 4, 2, 128
 SEED = 1234
 # (spec, layout): run by every world size below; dropout needs 128-token chunks (world 2, contiguous: 256 tokens)
-CASES = [("causal", "zigzag"), ("causal", "contiguous"), ("window", "zigzag"), ("document", "zigzag"), ("alibi", "contiguous"),
+# (the contiguous layout: alibi, lengths and dropout's cases; its bits rerun: dropout's)
+CASES = [("causal", "zigzag"), ("window", "zigzag"), ("document", "zigzag"), ("alibi", "contiguous"),
          ("dense_bf16", "zigzag"), ("lengths", "contiguous"), ("value_dim", "zigzag"), ("sink", "zigzag")]
 
 
 # the cases run twice, to compare bits: both layouts, an input read by the mask, dropout's pattern
-RERUN = {("causal", "zigzag"), ("causal", "contiguous"), ("document", "zigzag"), ("dropout", "contiguous")}
+RERUN = {("causal", "zigzag"), ("document", "zigzag"), ("dropout", "contiguous")}
 
 
 def _data(name, n):
