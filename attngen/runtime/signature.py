@@ -7,16 +7,16 @@ import torch
 
 
 def decode_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: tuple, inputs: tuple) -> tuple:
-    """The signature of a decode call: the device, and each tensor's shape, strides, element type and 16-byte
-    alignment (what Triton specializes a pointer on), for q, k, v, the optional `extras` (kv_lens, q_lens, the block
-    table, descale factors: None where absent) and the declared inputs; whether V starts where K does (a view of
-    K's first columns, which the latent-attention kernels read once)."""
-    parts = [q.device, q.dtype, k.dtype, v.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+    """The signature of a decode call: each tensor's device, shape, strides, element type and 16-byte alignment
+    (what Triton specializes a pointer on), for q, k, v, the optional `extras` (kv_lens, q_lens, the block table,
+    descale factors: None where absent) and the declared inputs; whether V starts where K does (a view of K's
+    first columns, which the latent-attention kernels read once)."""
+    parts = [q.device, k.device, v.device, q.dtype, k.dtype, v.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
              q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() == k.data_ptr() or v.data_ptr() % 16]
     for t in extras:
-        parts.append(None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16))
+        parts.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16))
     for t in inputs:
-        parts.append((t.shape, t.stride(), t.dtype, t.data_ptr() % 16))
+        parts.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16))
     return tuple(parts)
 
 
