@@ -3,12 +3,16 @@ Checked against the float64 reference like every spec (O, the lse, dQ, dK, dV, n
 score modification, a sink, dropout, the kv_outer schedule, packed sequences and the decode kernels (contiguous and
 paged caches); the spec's and the call's errors."""
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import attngen
-from attngen.codegen.gluon import choose
+from attngen.codegen.gluon import choose, render
 from attngen.errors import InputError, SpecError
 from attngen.lang.canonical import spec_hash
 from attngen.lang.check import load_spec
@@ -139,16 +143,96 @@ def test_a_call_with_v_of_the_wrong_width_is_refused(target):
         plain(q, k, torch.randn(1, 2, 8, 16))
 
 
-def test_the_gluon_generator_leaves_a_value_dim_to_the_triton_one():
-    """DeepSeek's shape (192 / 128): auto takes the Triton generator and says why; the plan derives its tiles from
-    both widths (K and V stages of 192 + 128 columns)."""
+def test_the_gluon_generator_takes_deepseek_s_shape():
+    """DeepSeek's shape (192 / 128): auto takes the Gluon forward (Q's and K's tiles in two parts, 128 + 64 columns,
+    V and O of 128) and the Triton backward, and says why; a V as wide as q.k's 192 columns it leaves to the Triton
+    generator, saying why. The Triton plan derives its tiles from both widths (K and V stages of 192 + 128 columns)."""
     spec = load_spec(_spec(MASKS["causal"], 128, "bf16", 192))
     p = plan(spec, "h100")
     choice = choose(spec, p, Backend.AUTO)
-    assert choice.generator == "triton" and "value_dim 128 (head_dim 192)" in choice.reason
+    assert (choice.generator, choice.backward) == ("gluon", "triton") and "head_dim 192: its backward takes 64 or 128" in choice.backward_reason
+    assert choice.gluon.qk_tail == 64 and "q.k in two parts" in choice.gluon.describe() and choice.gluon.block_n == 128
+    source = render(choice.gluon)
+    assert "QK_LEAD = gl.constexpr(128)" in source and "QK_TAIL = gl.constexpr(64)" in source and "VALUE_DIM = gl.constexpr(128)" in source
+    assert "qk = warpgroup_mma(q_tail, kt_smem.index(slot).reshape([BLOCK_N, QK_TAIL]).permute((1, 0)), qk, is_async=True)" in source
+    wide = load_spec(_spec(MASKS["causal"], 192, "bf16", 192))
+    refused = choose(wide, plan(wide, "h100"), Backend.AUTO)
+    assert refused.generator == "triton" and "its forward takes V of 64 or 128 or 256 columns" in refused.reason
     assert p.head_dim_pad == 256 and p.value_dim_pad == 128 and "value_dim 128 (padded to 128)" in p.describe()
     same = plan(dataclasses.replace(spec, value_dim=None), "h100")
     assert p.num_stages >= same.num_stages  # V's stage is narrower: never fewer stages than with V as wide as K
+
+
+@pytest.mark.slow  # triton.compile for sm_90 in a subprocess: about 30 s on 2 cores
+def test_the_gluon_forward_of_deepseek_s_shape_compiles_for_sm90(tmp_path):
+    """Its forward (plain and packed) compiles for sm_90 with the schedule in the PTX (setmaxnreg 24 and 240, wgmma,
+    TMA), no spills and shared memory within the target's; the module holds no backward."""
+    from attngen.codegen.gluon import build_source
+
+    spec = load_spec(_spec(MASKS["causal"], 128, "bf16", 192))
+    gp = choose(spec, plan(spec, "h100"), Backend.AUTO).gluon
+    path = tmp_path / "deepseek_gluon.py"
+    path.write_text(build_source(gp)[1])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "attngen.aot.gluon_binaries", str(path), "bf16"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert sorted(r["kernel"] for r in lines) == ["_attn_fwd", "_attn_fwd varlen"]
+    for r in lines:
+        assert {"24", "240"} <= set(r["setmaxnreg"]) and r["wgmma"] and r["tma"] and r["spill_bytes"] == 0, r
+        assert 0 < r["shared"] <= gp.base.target.smem_per_block, r
+
+
+# The Gluon forward with a value_dim of its own (the Triton backward after it), on the GPU: (head_dim, value_dim, mask,
+# dtype). 192 / 128 reads Q and K in two parts and stores O through Q's first part; 128 / 64 and 256 / 128 store O
+# through Q's tile seen as fewer columns, 128 / 64 in the persistent form too (its short calls)
+GLUON = {
+    "192_128_causal": (192, 128, "causal", "bf16"),
+    "192_128_window_sink": (192, 128, "window_sink", "bf16"),
+    "192_128_documents": (192, 128, "documents", "bf16"),
+    "192_128_alibi_dropout": (192, 128, "alibi_dropout", "fp16"),
+    "128_64_causal": (128, 64, "causal", "fp16"),
+    "128_64_dense": (128, 64, "", "bf16"),
+    "256_128_causal": (256, 128, "causal", "bf16"),
+}
+
+
+@pytest.mark.parametrize("name", list(GLUON))
+def test_the_gluon_forward_with_a_value_dim_is_exact(name, device):
+    """verify's rule on every CUDA shape: O, the lse and every gradient within budget, no NaN, with the Gluon forward."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    head_dim, value_dim, mask, dtype = GLUON[name]
+    kern = attngen.compile(_spec(MASKS.get(mask, ""), value_dim, dtype, head_dim), backend="gluon")
+    assert (kern.generator.generator, kern.generator.backward) == ("gluon", "triton")
+    results = [verify.check_one(kern, shape, "cuda", seed=i) for i, shape in enumerate(verify.CUDA_SHAPES)]
+    assert all(r.ok and not r.nan for r in results), verify.format_table(name, results)
+
+
+def test_packed_sequences_take_a_value_dim_through_the_gluon_forward(device):
+    """DeepSeek's shape as packed sequences (the Gluon forward's VARLEN form, O stored row by row at VALUE_DIM
+    columns a head) against the float64 reference, the gradients through the Triton backward."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    kern = attngen.compile(_spec(MASKS["causal"], 128, "bf16", 192), backend="gluon")
+    gen = torch.Generator().manual_seed(1)
+    q_lens, kv_lens = [130, 300, 7], [200, 0, 129]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda") for n in (q_lens, kv_lens))
+    q = torch.randn(sum(q_lens), 4, 192, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    k = torch.randn(sum(kv_lens), 2, 192, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    v = torch.randn(sum(kv_lens), 2, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    o, lse = kern(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    do = torch.randn(o.shape, generator=gen).to("cuda", torch.bfloat16)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = attngen.reference(kern.spec, *wide, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    assert o.shape == (437, 4, 128) and not o.isnan().any() and all(not g.isnan().any() for g in grads)
+    finite = ref_lse.isfinite()  # the second sequence has no key: lse = -inf
+    assert torch.equal(lse.isfinite(), finite) and (lse.double()[finite] - ref_lse[finite]).abs().max() < 2e-2
+    # bf16: errors relative to each tensor's largest entry
+    assert all((x.double() - r).abs().max() <= 2e-2 * r.abs().max() for x, r in zip((o, *grads), (ref, *ref_grads)))
 
 
 # q.k over a head_dim that is not a power of two as two products (KernelPlan.head_tail): 48 = 32 + 16, and 40 = 32 + 8

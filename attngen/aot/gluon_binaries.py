@@ -63,7 +63,9 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
         return {"_attn_fwd": compile_kernel(module._attn_fwd, args, {"num_warps": 4, "maxnreg": module.FWD_MAXNREG})}
     q = torch.empty(batch, heads, q_len, d, dtype=dtype)
     k = torch.empty(batch, kv_heads, kv_len, d, dtype=dtype)
-    o = torch.empty_like(q)
+    dv = module.VALUE_DIM.value if hasattr(module, "VALUE_DIM") else d  # V's and O's columns (a value_dim of the spec's own)
+    v = k if dv == d else torch.empty(batch, kv_heads, kv_len, dv, dtype=dtype)
+    o = torch.empty(batch, heads, q_len, dv, dtype=dtype)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
     inputs = [torch.zeros([4] * ndim, dtype=TORCH_DTYPES[kind]) for _, kind, ndim in module.INPUTS]  # only their types matter
     warps = {"num_warps": 4, "maxnreg": module.MAXNREG}  # the backward's
@@ -80,22 +82,22 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
     stats = module.bwd_stats(batch, heads, q_len, "cpu") if backward else None
     order = module.bwd_order(batch, heads, q_len, kv_len, "cpu") if backward else None
     # (name, tensors of each kernel's launch: plain, and with VARLEN as packed (rows, H, D) tensors)
-    calls = [("", (q, k, o, dq), {})]
+    calls = [("", (q, k, v, o, dq), {})]
     if varlen:  # packed sequences (cu_seqlens): the same kernels with VARLEN = True
-        qp, kp = (t[0].transpose(0, 1).contiguous() for t in (q, k))
+        qp, kp, vp, op = (t[0].transpose(0, 1).contiguous() for t in (q, k, v, o))
         cu = torch.zeros(batch + 1, dtype=torch.int32)
-        calls.append((" varlen", (qp, kp, torch.empty_like(qp), torch.empty(qp.shape, dtype=torch.float32)), {"varlen": (cu, cu, q_len, kv_len)}))
+        calls.append((" varlen", (qp, kp, vp, op, torch.empty(qp.shape, dtype=torch.float32)), {"varlen": (cu, cu, q_len, kv_len)}))
     # dropout compiled in (p > 0): the seed is a tensor the kernels read
     dropout, on = module.dropout_args(0.1, torch.tensor([2**40 + 7]), q.device) if hasattr(module, "dropout_args") else (None, None)
     kernels = {}
     if getattr(module, "PERSISTENT_FORWARD", False):  # the forward's persistent form (short calls, not packed)
-        kernels["_attn_fwd persistent"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, persistent=True, **extra),
+        kernels["_attn_fwd persistent"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, v, o, lse, *inputs, persistent=True, **extra),
                                                          fwd_warps | {"PERSISTENT": True})
     # the backward's forms: a program per work item, and persistent (a program per SM) where calls take it
     bwd_forms = {"": {}} | ({" persistent": {"PERSISTENT": True}} if getattr(module, "PERSISTENT_BACKWARD_MAX_KEYS", 0) else {})
-    for tail, (q_, k_, o_, dq_), packed in calls:
+    for tail, (q_, k_, v_, o_, dq_), packed in calls:
         flag = {"VARLEN": True} if packed else {}
-        kernels[f"_attn_fwd{tail}"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, **packed, **extra), fwd_warps | flag)
+        kernels[f"_attn_fwd{tail}"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, v_, o_, lse, *inputs, **packed, **extra), fwd_warps | flag)
         if backward:
             for form, on_form in bwd_forms.items():
                 kernels[f"_attn_bwd{tail}{form}"] = compile_kernel(module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_,
@@ -103,14 +105,14 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
             kernels[f"_bwd_delta{tail}"] = compile_kernel(module._bwd_delta, module.delta_launch_args(o_, o_, lse, None, stats, order, k_, *inputs,
                                                                                                     dq=dq_, **packed, **extra), {"num_warps": 4} | flag)
         if dropout is not None:
-            kernels[f"_attn_fwd{tail} dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, k_, o_, lse, *inputs, dropout=dropout,
+            kernels[f"_attn_fwd{tail} dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q_, k_, v_, o_, lse, *inputs, dropout=dropout,
                                                                                                        **packed, **extra), fwd_warps | flag | on)
             for form, on_form in bwd_forms.items() if backward else ():
                 kernels[f"_attn_bwd{tail}{form} dropout"] = compile_kernel(
                     module._attn_bwd, module.bwd_launch_args(q_, k_, k_, o_, stats, order, dq_, k_, k_, *inputs, dropout=dropout, **packed, **extra),
                     warps | flag | on | on_form)
     if getattr(module, "PERSISTENT_FORWARD", False) and dropout is not None:
-        kernels["_attn_fwd persistent dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, k, o, lse, *inputs, dropout=dropout,
+        kernels["_attn_fwd persistent dropout"] = compile_kernel(module._attn_fwd, module.launch_args(q, k, v, o, lse, *inputs, dropout=dropout,
                                                                                                       persistent=True, **extra),
                                                                  fwd_warps | {"PERSISTENT": True} | on)
     return kernels

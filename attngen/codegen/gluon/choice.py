@@ -12,7 +12,7 @@ from ...lang.spec import Backend, Binary, Call, DType, Expr, Spec, Var
 from ...plan.planner import KernelPlan
 from ..lowering import bias_of
 from .lower import Untranslatable
-from .plan import ARCH, BACKWARD_HEAD_DIMS, GluonPlan, plan_gluon, unsupported
+from .plan import ARCH, GluonPlan, plan_gluon, unsupported
 from .render import context
 
 # What `auto` takes, from measurements on the H100 (bf16, B*N = 16384; each figure the Gluon kernels' speed over the
@@ -119,7 +119,7 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
                       "triton", "dtype fp8 is forward only")
     if not gp.has_backward:
         return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
-                      "triton", f"the Gluon backward takes head_dim {' or '.join(map(str, BACKWARD_HEAD_DIMS))}")
+                      "triton", f"no Gluon backward: {gp.why_no_backward}")
     if backend is Backend.AUTO and isinstance(spec.sparsity, Expr) and (spec.head_dim == 64 or gp.class_piece):
         where = f"at head_dim {spec.head_dim}" if spec.head_dim == 64 else "whose tiles are classified by pieces"
         return Choice("triton", f"auto, a block pattern {where}: the Triton generator ({BLOCK_PATTERN_MEASURED}); backend = gluon takes the "

@@ -21,7 +21,14 @@ from ..lowering import bias_of, converts_positions, key_part_affine
 from ..tiles import lower_tile_class
 
 ARCH = 90  # Hopper: wgmma, TMA and setmaxnreg
-HEAD_DIMS = (64, 128, 256)  # the head dims its forward is written for (wgmma's K step is 16)
+HEAD_DIMS = (64, 128, 192, 256)  # the head dims (of q and k) its forward is written for (wgmma's K step is 16)
+# its value dims (of v and O; at most the head dim, O leaving through Q's tile): O's accumulator is a wgmma's N, and its
+# register tiles' sizes are powers of two
+VALUE_DIMS = (64, 128, 256)
+# keys per forward tile: 128 where a K and a V row together hold at most this many columns (two stages of 128 keys fit
+# beside Q up to q.k over 192 and V of 128, DeepSeek's training shape), else 64. At 192 + 128 (causal, bf16, B*N = 16384,
+# H200, 2026-11-29) two stages of 128 keys ran 1.15x (4096 keys) and 1.12x (16384) four stages of 64
+WIDE_TILE_MAX_COLUMNS = 320
 # the head dims of its backward: per consumer warpgroup dK and dV of 64 keys are 2 x 64 x d float32, d registers per
 # thread (256 at d = 256, beyond the 240 a consumer has); other head dims take the Triton backward
 BACKWARD_HEAD_DIMS = (64, 128)
@@ -119,6 +126,9 @@ class GluonPlan:
     # the forward adds an affine key part of a separable bias (lowering.key_part_affine) by the tensor cores: one
     # more product of K = 16 per score tile in place of an addition per score (BIAS_MMA_MAX_HEAD_DIM)
     bias_mma: bool = False
+    # q.k over a head_dim that is no power of two (192): Q's and K's tiles in two parts, the first head_dim - qk_tail
+    # columns and qk_tail after them (TMA tiles are powers of two wide); 0: one part
+    qk_tail: int = 0
 
     @property
     def bwd_persistent_every_call(self) -> bool:
@@ -135,6 +145,15 @@ class GluonPlan:
         """The forward's registers per thread at entry (entry_regs)."""
         return entry_regs(self.consumers)
 
+    @property
+    def why_no_backward(self) -> str:
+        """Why the module holds no backward (has_backward False; the Triton generator's backward runs)."""
+        spec = self.base.spec
+        if spec.head_dim not in BACKWARD_HEAD_DIMS:
+            return (f"head_dim {spec.head_dim}: its backward takes {' or '.join(map(str, BACKWARD_HEAD_DIMS))} (dK and dV of 64 keys per "
+                    f"warpgroup would take {spec.head_dim} registers per thread)")
+        return f"value_dim {spec.dv} with head_dim {spec.head_dim}: its backward takes V as wide as K"
+
     def describe(self) -> str:
         width = max(len(s.what) for s in self.steps)
         lines = ["gluon forward (FlashAttention-3 schedule, sm_90):"]
@@ -142,8 +161,7 @@ class GluonPlan:
         lines.append(f"  partitions: load 1 warp ({self.load_regs} registers/thread), {self.consumers} consumer warpgroup(s) "
                      f"({self.consumer_regs} registers/thread); BLOCK_M={self.block_m} BLOCK_N={self.block_n} ring of {self.stages} K/V stages")
         if not self.has_backward:
-            lines.append(f"gluon backward: none at head_dim {self.base.spec.head_dim} (dK and dV of 64 keys per warpgroup would take "
-                         f"{self.base.spec.head_dim} registers per thread): the Triton backward")
+            lines.append(f"gluon backward: none ({self.why_no_backward}): the Triton backward")
             return "\n".join(lines)
         lines.append("gluon backward (FlashAttention-3 structure, sm_90):")
         width = max(len(s.what) for s in self.bwd_steps)
@@ -177,9 +195,9 @@ def unsupported(spec: Spec, base: KernelPlan) -> list[str]:
         why.append("loop_order = kv_outer is a schedule of the Triton generator")
     if spec.sink is not None and bias_of(base) is not None:
         why.append("a sink with a score modification it adds as a separable bias (its softmax runs in the bias's units)")
-    if spec.value_dim is not None:
-        why.append(f"value_dim {spec.value_dim} (head_dim {spec.head_dim}): its kernels take V as wide as K (the Triton generator's "
-                   f"take a value_dim of its own)")
+    if spec.head_dim in HEAD_DIMS and (spec.dv not in VALUE_DIMS or spec.dv > spec.head_dim):
+        why.append(f"{'value_dim' if spec.value_dim else 'head_dim'} {spec.dv} of V and O (q.k over {spec.head_dim}): its forward takes V of "
+                   f"{' or '.join(map(str, VALUE_DIMS))} columns, at most q.k's (O leaves through Q's tile)")
     fixed = [k for k in ("block_m", "block_n", "num_warps", "num_stages") if getattr(spec, k) is not None or k in spec.tune]
     if fixed:
         why.append(f"{', '.join(fixed)} set: those are the Triton generator's tiles")
@@ -200,7 +218,7 @@ def consumer_regs_of(consumers: int) -> int:
 def plan_gluon(base: KernelPlan) -> GluonPlan:
     """The schedule's sizes for a spec the generator supports (see `unsupported`)."""
     spec, tgt = base.spec, base.target
-    d, isz = spec.head_dim, spec.dtype.itemsize
+    d, dv, isz = spec.head_dim, spec.dv, spec.dtype.itemsize
     steps = []
     bias_mma = False
     reads_inputs = _classes_read_inputs(base)
@@ -209,11 +227,18 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     steps.append(Step("consumer warpgroups", f"{consumers} x {M_PER_WARPGROUP} query rows, in turn on the tensor cores (one's softmax under the "
                                              f"others' products); three at head_dim <= {THREE_CONSUMERS_MAX_HEAD_DIM} with no mask, score "
                                              "modification or dropout (measured 1.09-1.13x two there on the H100, 0.65-1.05x with masks or ALiBi)", f"{consumers}"))
-    block_n = 128 if d <= 128 else 64
-    steps.append(Step("BLOCK_N", "keys per tile: the wgmma's N (S: 64 x 128 float32 = 64 registers per thread; at head_dim > 128, 64 keys: "
-                                 "O takes d / 2 registers per thread and a K+V stage 4 d BLOCK_N bytes)", f"{block_n}"))
+    block_n = 128 if d + dv <= WIDE_TILE_MAX_COLUMNS else 64
+    steps.append(Step("BLOCK_N", f"keys per tile: the wgmma's N (S: 64 x 128 float32 = 64 registers per thread), 64 where head_dim + value_dim "
+                                 f"> {WIDE_TILE_MAX_COLUMNS} (O takes value_dim / 2 registers per thread and a K+V stage (d + dv) BLOCK_N "
+                                 f"x {isz} bytes)", f"{block_n}"))
+    qk_tail = d - 128 if d == 192 else 0
+    if qk_tail:
+        steps.append(Step("q.k in two parts", f"TMA and register tiles are powers of two wide: Q's and K's tiles as their first 128 columns and "
+                                              f"the {qk_tail} after them, S = Q_lead K_lead^T + Q_tail K_tail^T (two chained products)",
+                          f"128 + {qk_tail}"))
     q_bytes = consumers * M_PER_WARPGROUP * d * isz
-    stage_bytes = 2 * block_n * d * isz
+    o_bytes = consumers * M_PER_WARPGROUP * dv * isz
+    stage_bytes = block_n * (d + dv) * isz
     smem = tgt.smem_per_block - SMEM_RESERVE
     stages = min(MAX_STAGES, (smem - q_bytes) // stage_bytes)
     steps.append(Step("ring stages", f"min({MAX_STAGES}, (smem {smem} - Q tiles {q_bytes}) // (K+V stage {stage_bytes}))", f"{stages}"))
@@ -227,10 +252,10 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
     mask_reads = base.mask is not None and bool(ex.input_reads(base.mask))
     persistent = (spec.dtype is not DType.FP8 and spec.sparsity != "runtime" and not mask_reads and not index_reads and d <= 128
                   and not skips)
-    persistent_stages = min(MAX_STAGES, (smem - 2 * q_bytes) // stage_bytes)
+    persistent_stages = min(MAX_STAGES, (smem - q_bytes - o_bytes) // stage_bytes)
     steps.append(Step("persistent forward", f"calls of <= {PERSISTENT_MAX_KEYS} keys: a program per SM takes query tiles from a counter, the next "
                                             f"one's Q loading under the last one's end, O stored from a tile of its own; its ring: min({MAX_STAGES}, "
-                                            f"(smem - Q and O tiles {2 * q_bytes}) // {stage_bytes}) (not for FP8, runtime block sparsity, inputs the "
+                                            f"(smem - Q and O tiles {q_bytes + o_bytes}) // {stage_bytes}) (not for FP8, runtime block sparsity, inputs the "
                                             "mask reads or the score reads at a position, block patterns, head_dim 256; packed sequences: a program "
                                             "per tile)",
                       f"{persistent_stages} stages" if persistent else "none"))
@@ -255,7 +280,7 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
             steps.append(Step("score modification", f"score + L, L a sum of a row's and a key's terms: the key part L(r, kv_idx) added per key "
                                                      f"({how}), the row part in the lse (a row's softmax ignores a constant)", "separable bias"))
     # (the backward's two consumer warpgroups)
-    bwd = _plan_backward(base, consumer_regs_of(2), reads_inputs) if d in BACKWARD_HEAD_DIMS else {"has_backward": False}
+    bwd = _plan_backward(base, consumer_regs_of(2), reads_inputs) if d in BACKWARD_HEAD_DIMS and dv == d else {"has_backward": False}
     piece = 0
     tiles = (consumers * M_PER_WARPGROUP, block_n, bwd.get("bwd_block_m", 0), bwd.get("bwd_block_n", 0))
     if isinstance(spec.sparsity, Expr) and base.classify and max(tiles) > spec.sparse_block:
@@ -266,7 +291,7 @@ def plan_gluon(base: KernelPlan) -> GluonPlan:
                           f"{piece} x {piece} pieces" if piece else "whole tiles"))
     return GluonPlan(base, consumers, block_n, stages, LOAD_REGS, consumer_regs, tuple(steps), skip_empty, piece, **bwd, persistent=persistent,
                      persistent_stages=persistent_stages, persistent_max_keys=PERSISTENT_MAX_KEYS, classes_read_inputs=reads_inputs,
-                     bias_mma=bias_mma)
+                     bias_mma=bias_mma, qk_tail=qk_tail)
 
 
 def _empty_tiles(base: KernelPlan, block_m: int, block_n: int, piece: int) -> tuple[int, int, int]:

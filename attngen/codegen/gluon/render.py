@@ -96,6 +96,18 @@ def context(gp: GluonPlan) -> dict:
         "guard_rows": plan.may_mask_rows,
         "positions": pos,
         "fp8": spec.dtype is DType.FP8,
+        # V and O have value_dim columns of their own (VALUE_DIM), q.k is over head_dim: the templates say so only then
+        "split_v": plan.value_dim != plan.head_dim,
+        # q.k over a head_dim that is no power of two (192): Q's and K's tiles in two parts, the tail's width here
+        "qk_tail": gp.qk_tail,
+        "tdesc": ", qt_desc, kt_desc" if gp.qk_tail else "",  # the tail parts' descriptors and shared memory
+        "tsmem": ", qt_smem, kt_smem" if gp.qk_tail else "",
+        # O leaves through Q's (first) tile seen as VALUE_DIM columns where it is not that wide
+        "o_reinterpret": plan.value_dim != plan.head_dim - gp.qk_tail,
+        "vdim": "VALUE_DIM" if plan.value_dim != plan.head_dim else "HEAD_DIM",
+        # the columns where a head's V and O start in rows layouts (a multiple of HEAD_DIM in kv_at, q_at)
+        "v_col": "kv_at[2] // HEAD_DIM * VALUE_DIM" if plan.value_dim != plan.head_dim else "kv_at[2]",
+        "o_col": "q_at[2] // HEAD_DIM * VALUE_DIM" if plan.value_dim != plan.head_dim else "q_at[2]",
         # what a shard's kernels add to the row and key indices to make them positions in the whole sequence
         "q_pos": " + q_offset" if pos else "",
         "kv_pos": " + kv_offset" if pos else "",
