@@ -11,7 +11,8 @@ checks its result against the first peer's before it is timed. The kinds:
 - forward: 1 x 16 x 512 x 128 causal, bf16, under no_grad; SDPA (is_causal); FlexAttention (compiled, its block
   mask made once); the Gluon module's launcher alone; one launch of its kernel (outputs allocated once).
 - train: the same, forward + backward (torch.autograd.grad of O with a random dO) with SDPA's and Flex's, and a
-  Python autograd.Function that allocates its results and launches nothing (the floor of any such function).
+  Python autograd.Function that allocates its results and launches nothing (the floor of any such function), and
+  the same as a torch.library.custom_op with register_autograd.
 - decode: B = 1, 32 query heads over 8 key/value heads, d = 128, one query, 4096 cached keys, `kv_lens=`; SDPA
   with enable_gqa; the same attngen call replayed from a CUDA graph; the Triton module's decode launcher alone.
 - paged: the same over a paged cache (16-token pages, a block table).
@@ -117,8 +118,20 @@ def kind_train(kern):
         return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do)
     sdpa = train(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     rows = {"attngen": train(kern), "SDPA": sdpa, "FlexAttention": train(flex),
-            "autograd.Function doing no work": train(lambda q, k, v: Idle.apply(q, k, v))}
+            "autograd.Function doing no work": train(lambda q, k, v: Idle.apply(q, k, v)),
+            "custom_op + register_autograd doing no work": train(idle_op())}
     return rows, sdpa, None
+
+
+def idle_op():
+    """The floor of a torch.library.custom_op with an autograd formula (register_autograd): the same work as Idle."""
+    @torch.library.custom_op("call_overhead::idle", mutates_args=())
+    def idle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    idle.register_fake(lambda q, k, v: torch.empty_like(q))
+    torch.library.register_autograd("call_overhead::idle", lambda ctx, do: (torch.empty_like(do),) * 3)
+    return idle
 
 
 class Idle(torch.autograd.Function):
@@ -303,7 +316,7 @@ def main():
     for kind, rows in results.items():
         print(f"{kind}:")
         for name, us in rows.items():
-            print(f"  {name:<36} {us:8.1f}")
+            print(f"  {name:<46} {us:8.1f}")
 
 
 if __name__ == "__main__":

@@ -228,6 +228,8 @@ def test_opcheck_passes_for_each_kind_of_call(name, device, target):
     p, seed = dropout_args(kern.spec, None, 5, q.device)
     forward_args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), tensors, p, seed, block_mask)
     torch.library.opcheck(ops.forward, forward_args)
+    with torch.no_grad():  # the forward of calls with nothing to differentiate (no autograd formula)
+        torch.library.opcheck(ops.inference, forward_args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     o, lse = ops.forward(*forward_args)
     backward_args = (q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do, None, [t.detach() for t in tensors], p, seed, block_mask, True)
     torch.library.opcheck(ops.backward, backward_args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
@@ -243,6 +245,28 @@ def test_ops_are_named_after_the_spec(target):
     assert len({a._ops().name, b._ops().name, c._ops().name}) == 3
     assert a._ops().forward.name() == f"attngen::{a._ops().name}_fwd"
     assert hasattr(torch.ops.attngen, f"{c._ops().name}_bwd")
+
+
+def test_a_compiled_call_with_nothing_to_differentiate_takes_the_inference_operator(device, target):
+    """Traced under no_grad the graph calls attngen::<name>_infer (no autograd layer), with grad attngen::<name>_fwd;
+    both give the eager call's O."""
+    kern = _kernel("causal", target)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True, backend=recording)
+    dtype = TORCH_DTYPES[kern.spec.dtype.value]
+    q, k, v = (torch.randn(1, 2, 40, 128, device=device, dtype=dtype) for _ in range(3))
+    name = kern._ops().name
+    with torch.no_grad():
+        assert torch.equal(fn(q, k, v), kern(q, k, v))
+    assert f"attngen.{name}_infer" in graphs[-1] and f"attngen.{name}_fwd" not in graphs[-1], graphs[-1]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert torch.equal(fn(*leaves), kern(*leaves))
+    assert f"attngen.{name}_fwd" in graphs[-1] and f"attngen.{name}_infer" not in graphs[-1], graphs[-1]
 
 
 def test_bad_calls_fail_while_tracing_with_the_eager_message(target):

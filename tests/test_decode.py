@@ -139,6 +139,9 @@ def test_a_serving_call_like_one_made_before_replays_and_still_checks_its_length
         out, lse = kern(q2, k2, v2, kv_lens=lens, return_lse=True)
         _check_reference(kern, out, lse, q2, k2, v2, kv_lens=lens)
         assert len(kern._serving_calls) == 1
+        # without return_lse the replay writes the lse to the stream's scratch memory: O the same, the next lse right
+        assert torch.equal(kern(q2, k2, v2, kv_lens=lens), out) and torch.equal(kern(q2, k2, v2, kv_lens=lens), out)
+        assert torch.equal(kern(q2, k2, v2, kv_lens=lens, return_lse=True)[1], lse)
         lens[0] = CAPACITY + 1
         with pytest.raises(InputError, match=f"kv_lens of sequence 0 is {CAPACITY + 1}"):
             kern(q2, k2, v2, kv_lens=lens)

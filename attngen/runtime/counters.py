@@ -29,9 +29,14 @@ def stream_scratch(name: str, device: torch.device, size: int) -> torch.Tensor:
     return _stream_buffer(name, device, size, torch.float32, torch.empty)
 
 
+def stream_of(device: torch.device) -> int:
+    """The device's current stream as a number (its raw handle; 0 on the CPU), by which the buffers are kept.
+    (torch.cuda.current_stream took 10 us.)"""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+
+
 def _stream_buffer(name: str, device: torch.device, size: int, dtype: torch.dtype, make_with) -> torch.Tensor:
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0  # (torch.cuda.current_stream: 10 us)
-    key = (name, dtype, device, stream)  # (a kind's counters and scratch memory are two buffers)
+    key = (name, dtype, device, stream_of(device))  # (a kind's counters and scratch memory are two buffers)
     buffer = _BUFFERS.get(key)
     if buffer is None or buffer.numel() < size:
         numel = max(size, 2 * buffer.numel() if buffer is not None else 1)

@@ -142,7 +142,7 @@ class Kernel:
             if served is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                                                          or any(t.requires_grad for t in inputs.values()))):
                 # a serving call like one made before: its checks passed, its split known (the values are checked)
-                o, lse2 = served.run(self, key, q, k, v, inputs, kv_lens, q_lens, block_table)
+                o, lse2 = served.run(self, key, q, k, v, inputs, kv_lens, q_lens, block_table, return_lse)
                 return (o, lse2 * LN2) if return_lse else o
             key = None
         if (self._plain_calls is not None and not compiling and dropout_p is None and seed is None and block_mask is None
@@ -194,8 +194,8 @@ class Kernel:
             return (o, lse2 * LN2) if return_lse else o
         if compiling and decodes:
             o, lse2 = self._ops().decode(q, k, v, tensors, None, None, None)
-        elif compiling:
-            o, lse2 = self._ops().forward(q, k, v, tensors, p, seed_t, block_mask)
+        elif compiling:  # (with nothing to differentiate, the operator without an autograd formula)
+            o, lse2 = (self._ops().forward if grad else self._ops().inference)(q, k, v, tensors, p, seed_t, block_mask)
         elif decodes:
             o, lse2 = decode_impl(self, q, k, v, tensors, None, None, None, dims)
         elif not grad:

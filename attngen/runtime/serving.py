@@ -91,17 +91,18 @@ class ServingCall:
         self.dims, self.names, self.block_r, self.splits, self.num_pages, self.page_size = dims, names, block_r, splits, num_pages, page_size
         self.replay = None  # the module's replay of this signature's launch (decode_replay), once it has one
 
-    def run(self, kernel, key: tuple, q, k, v, inputs: dict, kv_lens, q_lens, block_table):
+    def run(self, kernel, key: tuple, q, k, v, inputs: dict, kv_lens, q_lens, block_table, lse_wanted: bool = True):
+        """(O, lse in log2 units); without lse_wanted the lse returned may be overwritten by a later call."""
         check_serving_values(kv_lens, q_lens, block_table, self.dims, self.num_pages, self.page_size)
         if q.device.type == "cuda":
-            return self._decode(kernel, key, q, k, v, inputs, kv_lens, q_lens, block_table)
+            return self._decode(kernel, key, q, k, v, inputs, kv_lens, q_lens, block_table, lse_wanted)
         check_device(q.device, kernel.module)
         with interpreted():
-            return self._decode(kernel, key, q, k, v, inputs, kv_lens, q_lens, block_table)
+            return self._decode(kernel, key, q, k, v, inputs, kv_lens, q_lens, block_table, lse_wanted)
 
-    def _decode(self, kernel, key: tuple, q, k, v, inputs: dict, kv_lens, q_lens, block_table):
+    def _decode(self, kernel, key: tuple, q, k, v, inputs: dict, kv_lens, q_lens, block_table, lse_wanted: bool = True):
         if self.replay is not None:
-            return self.replay(q, k, v, kv_lens, q_lens, block_table, [inputs[name] for name in self.names])
+            return self.replay(q, k, v, kv_lens, q_lens, block_table, [inputs[name] for name in self.names], lse_wanted=lse_wanted)
         out = kernel.module.attention_decode(q, k, v, *[inputs[name] for name in self.names], kv_lens=kv_lens, q_lens=q_lens,
                                              block_table=block_table, block_r=self.block_r, num_splits=self.splits, known=key)
         self.replay = kernel.module.decode_replay(key, self.block_r, self.splits)
