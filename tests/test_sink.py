@@ -240,12 +240,12 @@ def test_the_gluon_generator_takes_a_sink_but_not_beside_a_separable_bias():
     spec = load_spec(GPT_OSS.replace("DT", "bf16"))
     assert choose(spec, plan(spec, "h100"), Backend.GLUON).generator == "gluon"
     # auto, from gpt-oss's layers measured both ways: the window's stay with the Triton generator, causal ones take
-    # the Gluon generator from 16384 keys
+    # the Gluon generator from 8192 keys
     auto = choose(spec, plan(spec, "h100"))
     assert auto.generator == "triton" and "a sink with a mask other than causal's at head_dim 64" in auto.reason
     causal = load_spec(GPT_OSS.replace("DT", "bf16").replace(" and kv_idx > q_idx - 16", ""))
     auto = choose(causal, plan(causal, "h100"))
-    assert (auto.forward_at(8192), auto.forward_at(16384), auto.backward_at(16384)) == ("triton", "gluon", "gluon")
+    assert (auto.forward_at(4096), auto.forward_at(8192), auto.backward_at(8192)) == ("triton", "gluon", "gluon")
     alibi = load_spec(GPT_OSS.replace("DT", "bf16").replace("    sink = sinks[h]", "    sink = sinks[h]\n    score = score - 0.1 * (q_idx - kv_idx)"))
     with pytest.raises(PlanError, match="a sink with a score modification it adds as a separable bias"):
         choose(alibi, plan(alibi, "h100"), Backend.GLUON)
