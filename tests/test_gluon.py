@@ -953,3 +953,37 @@ def test_gluon_dropout_draws_the_pattern_of_dropout_mask(head_dim, device):
         want_t = keep.transpose(2, 3)  # [b, h, key, query]
         got_t = torch.round(dv.float() * scale).int()  # dV[j, c] = (keep[c, j] + 2 keep[c + D, j]) / scale
         assert torch.equal(got_t, want_t[..., :d].int() + 2 * want_t[..., d:].int()), seed
+
+
+def test_a_replayed_persistent_forward_keeps_a_counter_per_stream(device):
+    """A plain call of the persistent forward (1024 keys) replayed on the default stream, on a side stream and from
+    a CUDA graph gives the first call's O bit for bit, within budget of the float64 reference; every stream's
+    counter of work items is back to 0 after each launch."""
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    from attngen.runtime.counters import stream_counters
+
+    kern = attngen.compile(_spec("causal"))
+    assert kern.gluon.takes_persistent(1024)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    main_stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    with torch.no_grad():
+        first = kern(q, k, v)
+        outs = [kern(q, k, v), kern(q, k, v)]
+        side.wait_stream(main_stream)
+        with torch.cuda.stream(side):
+            outs += [kern(q, k, v), kern(q, k, v)]
+            assert not stream_counters("persistent forward", q.device, 1).any()
+        main_stream.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = kern(q, k, v)
+        for _ in range(2):
+            graph.replay()
+            outs.append(captured.clone())
+        torch.cuda.synchronize()
+    assert not stream_counters("persistent forward", q.device, 1).any()
+    assert all(torch.equal(o, first) for o in outs)
+    ref = attngen.reference(kern.spec, q.double(), k.double(), v.double(), dtype=torch.float64)
+    assert not first.isnan().any() and (first.double() - ref).abs().max() < 2e-2
