@@ -1,6 +1,7 @@
 """Context parallelism on several GPUs of one host (NCCL): correctness and strong scaling.
 
-    torchrun --nproc-per-node 2 benchmarks/context_parallel.py [--seq 131072] [--big 524288] [--out results.json]
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py [--seq 131072] [--big 524288] [--methods ring ulysses hybrid]
+                                                               [--ulysses-size 2] [--kv-heads 16] [--out results.json]
 
 1. Correctness, bf16: every rank's shard of O, dQ, dK, dV (gathered) against the one-GPU kernel and the float64
    reference (N = 4096; the reference's budget as in attngen.tools.verify), causal / window / documents / ALiBi with
@@ -8,7 +9,8 @@
 2. Strong scaling, causal, d = 128, H = 16, bf16: the one-GPU kernel (rank 0 alone; the default generators, and
    the Triton generator's) against context_parallel on every GPU (zigzag) with the same kernels, forward and
    forward + backward; the same ring with its transfers replaced by local copies (the exposed communication is
-   the difference) and one key/value shard's transfer alone.
+   the difference) and one key/value shard's transfer alone; with --methods, Ulysses and hybrid (--ulysses-size
+   ranks a sub-group) beside the ring, and their correctness checks too.
 3. A long sequence (--big) forward and backward once on every GPU, with each rank's peak memory.
 
 Timing: fixed iteration counts on every rank (the ranks must call the same collectives), CUDA events around each
@@ -64,10 +66,11 @@ def randn(*shape, gen):
 SEED = 1234
 
 
-def check(name, layout, n, heads=8, kv_heads=2, backend=None):
+def check(name, layout, n, heads=8, kv_heads=2, backend=None, method="ring", ulysses_size=None):
     """CP against the one-GPU kernel and the float64 reference at n tokens. backend="gluon": both passes of the
     shards through the Gluon generator at any length (under auto, short chunks take the Triton backward)."""
     kern = attngen.compile(SPECS / f"{name}.attn", backend=backend)
+    how = {} if method == "ring" else {"method": method, "ulysses_size": ulysses_size if method == "hybrid" else None}
     drop = {"seed": SEED} if kern.spec.dropout else {}
     ref_drop = {"dropout_p": kern.spec.dropout, "seed": SEED} if kern.spec.dropout else {}
     d = kern.spec.head_dim
@@ -76,12 +79,12 @@ def check(name, layout, n, heads=8, kv_heads=2, backend=None):
     k, v = randn(1, kv_heads, n, d, gen=gen), randn(1, kv_heads, n, d, gen=gen)
     inputs = verify.make_inputs(kern.spec, 1, heads, n, n, "cuda", torch.Generator().manual_seed(1))
     leaves = [cp.shard(t, layout).requires_grad_() for t in (q, k, v)]
-    o = cp.context_parallel(kern, *leaves, layout=layout, **drop, **inputs)
+    o = cp.context_parallel(kern, *leaves, layout=layout, **how, **drop, **inputs)
     o.backward(cp.shard(do, layout))
     got = [cp.unshard(t.detach(), layout) for t in (o, *(x.grad for x in leaves))]
     shards = shard_kernel(kern).generator
-    row = {"spec": name, "backend": backend or "auto", "layout": layout, "n": n, "nan": any(bool(torch.isnan(t).any()) for t in got),
-           "shard_generators": [shards.generator, shards.backward]}
+    row = {"spec": name, "backend": backend or "auto", "layout": layout, "method": method, "n": n,
+           "nan": any(bool(torch.isnan(t).any()) for t in got), "shard_generators": [shards.generator, shards.backward]}
     if dist.get_rank() == 0:
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         one = kern(*full, **drop, **inputs)
@@ -121,13 +124,15 @@ def sampled_rows(kern, q, k, v, o, rows):
     return worst
 
 
-def scaling(n, heads=16, d=128, layout="zigzag"):
+def scaling(n, heads=16, d=128, layout="zigzag", kv_heads=None, methods=("ring",), ulysses_size=2):
     kern = attngen.compile(SPECS / "causal.attn")
     triton_kern = attngen.compile(SPECS / "causal.attn", backend="triton")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (randn(1, heads, n, d, gen=gen) for _ in range(4))
+    kv_heads = kv_heads or heads
+    q, do = (randn(1, heads, n, d, gen=gen) for _ in range(2))
+    k, v = (randn(1, kv_heads, n, d, gen=gen) for _ in range(2))
     flops = 4 * n * n * heads * d / 2  # causal forward: half the pairs
-    row = {"n": n, "heads": heads, "head_dim": d, "layout": layout, "world": dist.get_world_size()}
+    row = {"n": n, "heads": heads, "kv_heads": kv_heads, "head_dim": d, "layout": layout, "world": dist.get_world_size()}
 
     # one GPU: rank 0 alone, the others wait at the barrier
     if dist.get_rank() == 0:
@@ -144,18 +149,22 @@ def scaling(n, heads=16, d=128, layout="zigzag"):
     del q, k, v, do
     leaves = [t.clone().requires_grad_() for t in shards[:3]]
 
-    def passes(kk):
+    def passes(kk, **how):
         """(forward, forward + backward) of context_parallel through kernel kk, as callables to time."""
         def fwd():
             with torch.no_grad():
-                cp.context_parallel(kk, *shards[:3], layout=layout)
+                cp.context_parallel(kk, *shards[:3], layout=layout, **how)
 
         def fwd_bwd():
-            o = cp.context_parallel(kk, *leaves, layout=layout)
+            o = cp.context_parallel(kk, *leaves, layout=layout, **how)
             torch.autograd.grad(o, leaves, shards[3])
 
         return fwd, fwd_bwd
 
+    for method in methods:  # Ulysses and hybrid beside the ring (which the rows below time)
+        if method != "ring":
+            how = {"method": method, "ulysses_size": ulysses_size if method == "hybrid" else None}
+            row[f"cp_{method}"] = dict(zip(("fwd_ms", "fwd_bwd_ms"), map(timed, passes(kern, **how))))
     fwd, fwd_bwd = passes(kern)
     row["cp"] = {"fwd_ms": timed(fwd), "fwd_bwd_ms": timed(fwd_bwd)}
     generators = shard_kernel(kern).generator
@@ -239,6 +248,9 @@ def main():
     ap.add_argument("--big", type=int, default=524288, help="the long run's length (0: skip)")
     ap.add_argument("--check-len", type=int, default=262144, help="sampled-row check length (0: skip)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness part")
+    ap.add_argument("--methods", nargs="+", default=["ring"], choices=["ring", "ulysses", "hybrid"])
+    ap.add_argument("--ulysses-size", type=int, default=2, help="hybrid: ranks per Ulysses sub-group")
+    ap.add_argument("--kv-heads", type=int, default=16, help="strong scaling: key/value heads (16 query heads)")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/context_parallel.json")
     args = ap.parse_args()
     dist.init_process_group("nccl")
@@ -254,12 +266,17 @@ def main():
                 row = check(name, layout, 4096, backend=backend)
                 results["check"].append(row)
                 log("check", json.dumps(row))
+        for method in args.methods:  # the other methods: the specs they take (no dropout), zigzag
+            for name in ("causal", "sliding_window", "document", "alibi") if method != "ring" else ():
+                row = check(name, "zigzag", 4096, method=method, ulysses_size=args.ulysses_size)
+                results["check"].append(row)
+                log("check", json.dumps(row))
         if args.check_len:
             results["long_check"] = long_check(args.check_len)
             log("long_check", json.dumps(results["long_check"]))
     results["scaling"] = []
     for n in args.seq:
-        row = scaling(n)
+        row = scaling(n, kv_heads=args.kv_heads, methods=args.methods, ulysses_size=args.ulysses_size)
         results["scaling"].append(row)
         log("scaling", json.dumps(row))
     if args.big:
@@ -272,7 +289,7 @@ def main():
         Path(args.out).write_text(json.dumps(results, indent=1))
         print("\n== summary ==")
         for r in results.get("check", []):
-            print(f"check {r['spec']:<15}{r['backend']:<6}{r['layout']:<11}{'/'.join(r['shard_generators']):<14} ok={r.get('ok')} " + " ".join(
+            print(f"check {r['spec']:<15}{r['backend']:<6}{r['layout']:<11}{r['method']:<8}{'/'.join(r['shard_generators']):<14} ok={r.get('ok')} " + " ".join(
                 f"{w} {r[w]['err']:.2e}/{r[w]['bound']:.2e}" for w in ("o", "dq", "dk", "dv") if w in r))
         for r in results["scaling"]:
             one, tri, c, nc = r.get("one_gpu", {}), r.get("one_gpu_triton", {}), r["cp"], r["cp_no_comm"]
@@ -281,6 +298,11 @@ def main():
                   f"no comm fwd {nc['fwd_ms']:.1f} fwd+bwd {nc['fwd_bwd_ms']:.1f}; kv transfer {r['kv_transfer_ms']:.2f} ms")
             ct = r["cp_triton"]
             print(f"   CP shards {'/'.join(c['shard_generators'])}; CP with the Triton generator fwd {ct['fwd_ms']:.1f} fwd+bwd {ct['fwd_bwd_ms']:.1f}")
+            for method in args.methods:
+                if method != "ring" and "one_gpu" in r:
+                    m = r[f"cp_{method}"]
+                    print(f"   {method}: fwd {m['fwd_ms']:.1f} fwd+bwd {m['fwd_bwd_ms']:.1f}; / one_gpu: fwd {m['fwd_ms'] / one['fwd_ms']:.3f}  "
+                          f"fwd+bwd {m['fwd_bwd_ms'] / one['fwd_bwd_ms']:.3f}")
             for cp_key, key in (("cp", "one_gpu"), ("cp_triton", "one_gpu_triton")):
                 if key in r:
                     print(f"   {cp_key} / {key}: fwd {r[cp_key]['fwd_ms'] / r[key]['fwd_ms']:.3f}  fwd+bwd {r[cp_key]['fwd_bwd_ms'] / r[key]['fwd_bwd_ms']:.3f}")

@@ -1,6 +1,6 @@
-"""Context parallelism (attngen.distributed) over gloo, 2 and 4 processes spawned by the test: every rank's shard of
-O, the lse and dQ, dK, dV, gathered, against the single-process kernel and the float64 reference with the error
-budget of attngen.verify; reruns (RERUN) bit-identical; the masks (causal, window, documents, ALiBi, grouped-query heads,
+"""Context parallelism (attngen.distributed) over gloo, 2 and 4 processes spawned by the test, by each method (ring,
+Ulysses, hybrid 2 x 2): every rank's shard of O, the lse and dQ, dK, dV, gathered, against the single-process kernel
+and the float64 reference with the error budget of attngen.verify; reruns (RERUN) bit-identical; the masks (causal, window, documents, ALiBi, grouped-query heads,
 dropout) and a sink evaluated at positions in the whole sequence, the sink's input's gradient summed over the ranks. Shapes that cannot be split are refused with a clear error.
 On the GPU, benchmarks/context_parallel.py runs the same comparison over NCCL (BENCHMARKS.md)."""
 import multiprocessing
@@ -37,6 +37,8 @@ SPECS = {
             f" mask = q_idx >= kv_idx and q_idx - kv_idx < 40 }}",
     "dropout": "attention dropout { head_dim = 16\n block_m = 16\n block_n = 64\n dtype = fp32\n mask = q_idx >= kv_idx\n dropout = 0.2 }",
 }
+# a mask that reads the query head itself (not as an input's index): Ulysses and hybrid refuse it for now
+HEAD_MASK = f"attention head_mask {{ {_TILES} dtype = fp32\n mask = q_idx >= kv_idx or h == 0 }}"
 B, HQ, HKV, N = 1, 4, 2, 128
 SEED = 1234
 # (spec, layout): run by every world size below; dropout needs 128-token chunks (world 2, contiguous: 256 tokens)
@@ -46,19 +48,26 @@ CASES = [("causal", "zigzag"), ("window", "zigzag"), ("document", "zigzag"), ("a
 
 
 # the cases run twice, to compare bits: both layouts, an input read by the mask, dropout's pattern
-RERUN = {("causal", "zigzag"), ("document", "zigzag"), ("dropout", "contiguous")}
+RERUN = {("causal", "zigzag"), ("document", "zigzag"), ("dropout", "contiguous"), ("causal", "zigzag", "hybrid")}
+# Ulysses and hybrid (2 x 2 with four ranks): (spec, layout, method). ALiBi's slopes get gradients through Ulysses;
+# with four ranks the two key/value heads each go to two ranks (their gradients summed), a sink's input too
+METHOD_CASES = {2: [("alibi", "contiguous", "ulysses"), ("document", "zigzag", "ulysses")],
+                4: [("causal", "zigzag", "hybrid"), ("sink", "zigzag", "ulysses")]}
+TRAINED = {"sinks", "slopes"}  # inputs that get gradients (slopes through Ulysses only: the ring does not take them yet)
 
 
-def _data(name, n):
-    """q, k, v, dO and the spec's inputs; a sink's input requires grad (its gradient is checked too)."""
+def _data(name, n, method="ring"):
+    """q, k, v, dO and the spec's inputs; a sink's input requires grad (its gradient is checked too), and through
+    Ulysses ALiBi's slopes."""
     spec = attngen.compile(SPECS[name], "h100").spec
     gen = torch.Generator().manual_seed(0)
     dtype = TORCH_DTYPES[spec.dtype.value]
     q, do = (torch.randn(B, HQ, n, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
     k, v = (torch.randn(B, HKV, n, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
     inputs = verify.make_inputs(spec, B, HQ, n, n, "cpu", gen)
-    if "sinks" in inputs:
-        inputs["sinks"].requires_grad_()
+    for trained in TRAINED & set(inputs):
+        if trained == "sinks" or method == "ulysses":
+            inputs[trained].requires_grad_()
     return q, k, v, do, inputs
 
 
@@ -83,17 +92,20 @@ def _worker(rank, world, init, out, cases):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     results = {}
     try:
-        for name, layout in cases:
+        for case in cases:
+            name, layout, method = (*case, "ring")[:3]
             kern = attngen.compile(SPECS[name], "h100")
             n = 256 if name == "dropout" else N
-            q, k, v, do, inputs = _data(name, n)
+            q, k, v, do, inputs = _data(name, n, method)
             kw = {"seed": SEED} if name == "dropout" else {}
+            if method != "ring":
+                kw |= {"method": method, "ulysses_size": 2 if method == "hybrid" else None}
             first = _run(kern, layout, q, k, v, do, inputs, **kw)
-            if (name, layout) in RERUN:  # run again: the same bits (every rank's sums in a fixed order)
+            if case in RERUN:  # run again: the same bits (every rank's sums in a fixed order)
                 again = _run(kern, layout, q, k, v, do, inputs, **kw)
-                results[(name, layout)] = (first, all(torch.equal(a, b) for a, b in zip(first, again)))
+                results[case] = (first, all(torch.equal(a, b) for a, b in zip(first, again)))
             else:
-                results[(name, layout)] = (first, True)
+                results[case] = (first, True)
         # refused: shards of different lengths on different ranks, zigzag's odd shard, dropout without a seed
         kern = attngen.compile(SPECS["causal"], "h100")
         errors = {}
@@ -102,6 +114,15 @@ def _worker(rank, world, init, out, cases):
             ("odd", lambda: attngen.distributed.context_parallel(kern, *(torch.randn(1, 2, 15, 16) for _ in range(3)), layout="zigzag")),
             ("seed", lambda: attngen.distributed.context_parallel(attngen.compile(SPECS["dropout"], "h100"), *(torch.randn(1, 2, 128, 16) for _ in range(3)))),
             ("layout", lambda: attngen.distributed.context_parallel(kern, *(torch.randn(1, 2, 16, 16) for _ in range(3)), layout="ring")),
+            ("method", lambda: attngen.distributed.context_parallel(kern, *(torch.randn(1, 2, 16, 16) for _ in range(3)), method="spiral")),
+            ("size", lambda: attngen.distributed.context_parallel(kern, *(torch.randn(1, 2, 16, 16) for _ in range(3)), method="hybrid",
+                                                                  ulysses_size=3)),
+            ("heads", lambda: attngen.distributed.context_parallel(kern, *(torch.randn(1, 3, 16, 16) for _ in range(3)), method="ulysses")),
+            ("ulysses dropout", lambda: attngen.distributed.context_parallel(attngen.compile(SPECS["dropout"], "h100"),
+                                                                             *(torch.randn(1, 2, 128, 16) for _ in range(3)), method="ulysses",
+                                                                             seed=SEED)),
+            ("head read", lambda: attngen.distributed.context_parallel(attngen.compile(HEAD_MASK, "h100"),
+                                                                       *(torch.randn(1, 2, 16, 16) for _ in range(3)), method="ulysses")),
         ):
             try:
                 call()
@@ -131,12 +152,13 @@ def _spawn(world, cases, tmp_path):
     return results
 
 
-def _check(name, layout, gathered, identical):
+def _check(case, gathered, identical):
     """The gathered results against the kernel in one process and the float64 reference."""
-    assert identical, f"{name} ({layout}): a rerun gave different bits"
+    name, _, method = (*case, "ring")[:3]
+    assert identical, f"{case}: a rerun gave different bits"
     kern = attngen.compile(SPECS[name], "h100")
     n = gathered[0].shape[2]
-    q, k, v, do, inputs = _data(name, n)
+    q, k, v, do, inputs = _data(name, n, method)
     o, lse, dq, dk, dv, *d_inputs = gathered
     assert not any(torch.isnan(t).any() for t in (o, dq, dk, dv, *d_inputs)), name
     dtype = q.dtype
@@ -153,30 +175,36 @@ def _check(name, layout, gathered, identical):
     ref_grads = torch.autograd.grad(ref, wide, do.double())
     naive_grads = torch.autograd.grad(naive, narrow, do)
     err, _, bound = _bound(o, naive.detach(), ref.detach(), 2)
-    assert err <= bound, (name, layout, "out", err, bound)
+    assert err <= bound, (case, "out", err, bound)
     err1, _, bound1 = _bound(one.detach(), naive.detach(), ref.detach(), 2)
     assert err1 <= bound1  # the one-process kernel itself, on the same data
     finite = torch.isfinite(one_lse)
-    assert torch.equal(torch.isfinite(lse), finite), (name, layout)
-    assert (lse[finite] - one_lse[finite]).abs().max() <= 1e-4 * max(1.0, one_lse[finite].abs().max()), (name, layout)
+    assert torch.equal(torch.isfinite(lse), finite), case
+    assert (lse[finite] - one_lse[finite]).abs().max() <= 1e-4 * max(1.0, one_lse[finite].abs().max()), case
     for what, g, rg, ng, og in zip(("dq", "dk", "dv", *trained), (dq, dk, dv, *d_inputs), ref_grads, naive_grads, one_grads):
         err, _, bound = _bound(g, ng, rg, 3, 1.0 if what in ("dq", "dk", "dv") else float(n))
-        assert err <= bound, (name, layout, what, err, bound)
-        assert (g.float() - og.float()).abs().max() <= 2 * bound, (name, layout, what)
+        assert err <= bound, (case, what, err, bound)
+        assert (g.float() - og.float()).abs().max() <= 2 * bound, (case, what)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_matches_one_process_and_the_reference(world, tmp_path):
     # four ranks: the layouts' chunk pairs and a window's dropped blocks (every spec runs with two)
-    cases = CASES + [("dropout", "contiguous")] if world == 2 else [("causal", "zigzag"), ("window", "contiguous"), ("lengths", "zigzag")]
+    cases = CASES + [("dropout", "contiguous")] if world == 2 else [("causal", "zigzag"), ("window", "contiguous")]
+    cases += METHOD_CASES[world]
     results = _spawn(world, cases, tmp_path)
-    for name, layout in cases:
-        _check(name, layout, *results[(name, layout)])
+    for case in cases:
+        _check(case, *results[case])
     errors = results["errors"]
     assert "same shape" in errors["uneven"] and "rank 1: q (1, 2, 17, 16)" in errors["uneven"], errors["uneven"]
     assert "odd" in errors["odd"], errors["odd"]
     assert "seed=" in errors["seed"], errors["seed"]
     assert "layout must be one of contiguous, zigzag" in errors["layout"], errors["layout"]
+    assert "method must be one of ring, ulysses, hybrid; got 'spiral'" in errors["method"], errors["method"]
+    assert f"ulysses_size, a divisor of the group's {world} ranks; got 3" in errors["size"], errors["size"]
+    assert f"splits the query heads across {world} ranks; q has 3" in errors["heads"], errors["heads"]
+    assert "method='ulysses' does not take dropout yet" in errors["ulysses dropout"], errors["ulysses dropout"]
+    assert "reads the query head h in an expression" in errors["head read"], errors["head read"]
 
 
 def test_an_fp8_spec_is_refused_before_any_communication():
@@ -189,3 +217,39 @@ def test_a_call_without_a_process_group_says_so():
     kern = attngen.compile(SPECS["causal"], "h100")
     with pytest.raises(InputError, match="init_process_group"):
         attngen.distributed.context_parallel(kern, *(torch.randn(1, 2, 16, 16) for _ in range(3)))
+
+
+def test_ulysses_splits_inputs_by_the_heads_they_are_read_at():
+    """Which input axes Ulysses splits with the heads (those read at the bare query head), and the specs it refuses
+    until the kernels take a head offset: h read otherwise, or an axis read at h and at something else."""
+    from attngen.distributed.ulysses import head_split_axes
+
+    def axes(body):
+        return head_split_axes(attngen.compile(f"attention s {{ {_TILES} dtype = fp32\n {body} }}", "h100").spec)
+
+    assert axes("input slopes: fp32[H]\n mask = q_idx >= kv_idx\n score = score - slopes[h] * (q_idx - kv_idx)") == {"slopes": (0,)}
+    assert axes("input sinks: fp32[H]\n sink = sinks[h]") == {"sinks": (0,)}
+    assert axes("input doc: int32[B, N]\n mask = doc[b, q_idx] == doc[b, kv_idx]") == {}
+    assert axes("input bias: fp32[H, 64]\n score = score + bias[h, kv_idx % 64]") == {"bias": (0,)}
+    for body, message in (("mask = q_idx >= kv_idx or h == 0", "reads the query head h in an expression"),
+                          ("input slopes: fp32[H]\n score = score - slopes[h // 2]", "reads the query head h in an index of input 'slopes'"),
+                          ("input slopes: fp32[H]\n score = score - slopes[h] + slopes[0]", "input 'slopes' is read at h and at other values")):
+        with pytest.raises(InputError, match=message):
+            axes(body)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ulysses_puts_the_gathered_rows_in_sequence_order(world, layout):
+    """The rows every rank's shard contributes (rank 0's, then rank 1's, ...), reordered by token_order, are the
+    sub-group's positions in order; key/value heads go to the ranks whose query heads read them."""
+    from attngen.distributed.layout import chunks
+    from attngen.distributed.ulysses import kv_head_ranges, token_order
+
+    n = 8
+    gathered = torch.tensor([c.start + i for r in range(world) for c in chunks(layout, r, world, n) for i in range(c.length)])
+    order = token_order(layout, 0, world, n)
+    assert torch.equal(gathered if order is None else gathered[order], torch.arange(world * n))
+    assert kv_head_ranges(16, 16, 2) == [range(0, 8), range(8, 16)]
+    assert kv_head_ranges(8, 2, 4) == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert kv_head_ranges(4, 1, 4) == [range(0, 1)] * 4

@@ -1,4 +1,5 @@
-"""Context parallelism: one attention over the ranks of a torch.distributed process group (ring attention).
+"""Context parallelism: one attention over the ranks of a torch.distributed process group: ring attention
+(ring.py), head-parallel Ulysses and the two combined (ulysses.py; method="ring" | "ulysses" | "hybrid").
 
     import attngen, attngen.distributed as cp
     kern = attngen.compile("specs/causal.attn")
@@ -9,5 +10,6 @@
 NCCL on GPUs, gloo on CPUs (the kernels then run in Triton's interpreter); torch.distributed only."""
 from .layout import LAYOUTS, shard, unshard
 from .ring import context_parallel
+from .ulysses import METHODS
 
-__all__ = ["LAYOUTS", "context_parallel", "shard", "unshard"]
+__all__ = ["LAYOUTS", "METHODS", "context_parallel", "shard", "unshard"]

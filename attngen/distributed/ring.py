@@ -27,6 +27,7 @@ from ..runtime.input_grads import LOG2E, reduce_input_grads, row_delta, sink_sha
 from ..runtime.kernel import LN2
 from ..runtime.shard import shard_backward, shard_forward
 from .layout import Chunk, _group_shape, check_layout, chunks
+from .ulysses import check_method, head_split_axes, hybrid_groups, ulysses_forward
 
 
 class _Ring:
@@ -80,7 +81,8 @@ def _check_same_shapes(ring: _Ring, q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "contiguous", *,
-                     return_lse: bool = False, dropout_p: float | None = None, seed: int | None = None, **inputs: torch.Tensor):
+                     method: str = "ring", ulysses_size: int | None = None, return_lse: bool = False, dropout_p: float | None = None,
+                     seed: int | None = None, **inputs: torch.Tensor):
     """This rank's shard of the attention of the whole sequence, whose shards q, k, v (B, H, N / world, D) the
     ranks of `group` (default: the world) hold by `layout` ("contiguous" or "zigzag", see shard()).
     Differentiable (q, k, v). The spec's expressions see positions in the whole sequence, so causal masks,
@@ -88,9 +90,16 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     (B, N)), the same on every rank. return_lse: also this shard's rows' log-sum-exp (natural log). Dropout
     needs an explicit seed, the same on every rank, and chunks of a multiple of 128 tokens.
 
-    A sink joins each row of the merged result once; the inputs it reads get gradients, summed over the ranks.
-    Every rank must call it with equal shapes (checked once per group and shapes). Not supported: runtime block
-    sparsity, paged caches, packed sequences, gradients of inputs the score reads, torch.compile (eager only)."""
+    method: "ring" (key/value shards travel around the group), "ulysses" (all_to_all exchanges sequence shards
+    for head shards: each rank runs the kernel on the whole sequence for world / Hq of the query heads; Hq a
+    multiple of the group's size, key/value heads a multiple or a divisor of it) or "hybrid" (Ulysses inside
+    sub-groups of `ulysses_size` consecutive ranks, the ring across them); see attngen/distributed/ulysses.py.
+    Ulysses and hybrid take no dropout yet and read the query head h only as an input's index (slopes[h]).
+
+    A sink joins each row of the merged result once; the inputs it reads get gradients, summed over the ranks
+    (with Ulysses every float input gets its gradient). Every rank must call it with equal shapes (checked once per
+    group and shapes). Not supported: runtime block sparsity, paged caches, packed sequences, gradients of inputs
+    the score reads through the ring, torch.compile (eager only)."""
     if not isinstance(kern, Kernel):
         raise InputError(f"context_parallel takes a kernel from attngen.compile, got {type(kern).__name__}")
     if torch.compiler.is_compiling():
@@ -105,6 +114,7 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if spec.dtype is DType.FP8:
         raise InputError(f"context_parallel does not take FP8 specs yet (their descale factors are not split); {spec.name!r} has dtype = fp8")
     ring = _Ring(group)
+    ulysses_size = check_method(method, ulysses_size, ring.world)
     dims, tensors = check_call(kern, q, k, v, inputs)
     if q.shape[2] != k.shape[2]:
         raise InputError(f"context_parallel: q and k must be shards of one sequence (self-attention), the same number of tokens; "
@@ -114,12 +124,28 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     seq_len = n * ring.world
     check_direct_indices(kern._direct_indices, Dims(dims.batch, dims.heads, dims.kv_heads, seq_len, seq_len), {d.name: t for d, t in zip(spec.inputs, tensors)})
     p, seed_t = dropout_args(spec, dropout_p, 0 if seed is None else seed, q.device)  # the probability and the seed, checked as for a call
+    if p and method != "ring":
+        raise InputError(f"context_parallel with method={method!r} does not take dropout yet: its pattern is drawn by each head's "
+                         f"index in the whole tensor, which these methods split (use method='ring')")
     if p:
         if seed is None:  # a call draws one from torch's generator, which the ranks need not share
             raise InputError("context_parallel with dropout needs seed= (a non-negative int below 2**63, the same on every rank), got None")
         if mine[0].length % 128:
             raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
                              f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {mine[0].length}")
+    if method != "ring":  # Ulysses, alone or inside the hybrid's sub-groups
+        head_split_axes(spec)  # (raises where the expressions read h other than as an input's index)
+        _check_same_shapes(ring, q, k)
+        names = [d.name for d in spec.inputs]
+        if method == "ulysses":
+            o, lse = ulysses_forward(kern, q, k, v, tensors, names, group, layout)
+        else:
+            sub, across = hybrid_groups(group, ring.world, ulysses_size)
+
+            def ring_part(qh, kh, vh, local):  # the ring across sub-groups, on the sub-group's shard
+                return context_parallel(kern, qh, kh, vh, group=across, layout=layout, return_lse=True, **dict(zip(names, local)))
+            o, lse = ulysses_forward(kern, q, k, v, tensors, names, sub, layout, ring_part)
+        return (o, lse) if return_lse else o
     # the sink's inputs get gradients (summed over the ranks); the score's do not yet
     sink_reads = {r.input for r in input_reads(spec.sink)} - {g.read.input for g in kern.plan.read_grads}
     trained = [d.name for d, t in zip(spec.inputs, tensors) if t.requires_grad and d.name not in sink_reads]
@@ -147,20 +173,7 @@ class _Run:
         self._sinks: torch.Tensor | None = None  # the sink of every row (_sink), once evaluated
         self.seq_len = n * ring.world
         self.mine = chunks(layout, ring.rank, ring.world, n)
-        # step s: the pairs (i, j, positions) of query chunk i and key chunk j of rank r - s whose block the mask does
-        # not provably drop
-        self.steps = []
-        for s in range(ring.world):
-            theirs = chunks(layout, (ring.rank - s) % ring.world, ring.world, n)
-            self.steps.append([(i, j, (qc.start, kc.start, self.seq_len, self.seq_len)) for i, qc in enumerate(self.mine)
-                               for j, kc in enumerate(theirs) if not self._dropped(qc, kc)])
-
-    def _dropped(self, qc: Chunk, kc: Chunk) -> bool:
-        plan = self.kern.plan
-        if plan.mask is None or not plan.classify:
-            return False
-        env = tile_env(qc.start, qc.start + qc.length - 1, kc.start, kc.start + kc.length - 1, self.seq_len, self.seq_len)
-        return truth(plan.mask, env) is Truth.NEVER
+        self.steps = _chunk_pairs(kern.plan, layout, ring.rank, ring.world, n)
 
     def _split(self, t: torch.Tensor | None) -> list:
         """t's rows as one contiguous tensor per chunk of this rank's layout."""
@@ -261,6 +274,36 @@ class _Run:
             if dq[i] is None:
                 dq[i] = q.new_zeros((*q.shape[:2], c.length, q.shape[3]), dtype=torch.float32)
         return torch.cat(dq, 2).to(q.dtype), torch.cat(total[:count], 2), torch.cat(total[count:], 2)
+
+
+_PAIRS: dict = {}  # (mask, classify, layout, rank, world, n) -> _chunk_pairs' steps
+
+
+def _chunk_pairs(plan, layout: str, rank: int, world: int, n: int) -> list:
+    """Step s of the ring: the pairs (i, j, positions) of this rank's query chunk i and key chunk j of rank r - s
+    whose block the mask does not provably drop (interval analysis at the chunks' positions). Worked out once per
+    mask, layout, rank and shard length: a training loop's calls share them."""
+    key = (plan.mask, plan.classify, layout, rank, world, n)
+    steps = _PAIRS.get(key)
+    if steps is None:
+        seq_len = n * world
+        mine = chunks(layout, rank, world, n)
+
+        def dropped(qc: Chunk, kc: Chunk) -> bool:
+            if plan.mask is None or not plan.classify:
+                return False
+            env = tile_env(qc.start, qc.start + qc.length - 1, kc.start, kc.start + kc.length - 1, seq_len, seq_len)
+            return truth(plan.mask, env) is Truth.NEVER
+
+        steps = []
+        for s in range(world):
+            theirs = chunks(layout, (rank - s) % world, world, n)
+            steps.append([(i, j, (qc.start, kc.start, seq_len, seq_len)) for i, qc in enumerate(mine)
+                          for j, kc in enumerate(theirs) if not dropped(qc, kc)])
+        if len(_PAIRS) >= 256:  # many shapes: start again
+            _PAIRS.clear()
+        _PAIRS[key] = steps
+    return steps
 
 
 class _Done:
