@@ -60,8 +60,9 @@ class AttentionFunction(torch.autograd.Function):
 class Ops:
     """A kernel's torch library operators, which torch.compile traces as single calls (with dynamic shapes): the
     forward `attngen::<name>_fwd` (O and the lse in log2 units) and the backward `attngen::<name>_bwd`, its
-    autograd formula; `attngen::<name>_infer`, the forward of calls with nothing to differentiate. <name> is the spec's name and the first 12 hex digits of the spec's sha256, and a number
-    where another kernel of the same spec (another target, generator or bundle) is registered in this process.
+    autograd formula; `attngen::<name>_infer`, the forward of calls with nothing to differentiate. <name> is the
+    spec's name and the first 12 hex digits of the spec's sha256, and a number where another kernel of the same
+    spec (another target, generator or bundle) is registered in this process.
     Fake implementations give the outputs' shapes; the real ones run Kernel._forward_impl / _backward_impl.
     They are defined through torch.library.Library (a schema, a kernel per device type, a fake kernel and an
     autograd formula), not torch.library.custom_op, whose wrapper checks every call's outputs for aliases of its
