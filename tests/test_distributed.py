@@ -233,7 +233,9 @@ def test_ulysses_splits_inputs_by_the_heads_they_are_read_at():
     assert axes("input bias: fp32[H, 64]\n score = score + bias[h, kv_idx % 64]") == {"bias": (0,)}
     for body, message in (("mask = q_idx >= kv_idx or h == 0", "reads the query head h in an expression"),
                           ("input slopes: fp32[H]\n score = score - slopes[h // 2]", "reads the query head h in an index of input 'slopes'"),
-                          ("input slopes: fp32[H]\n score = score - slopes[h] + slopes[0]", "input 'slopes' is read at h and at other values")):
+                          ("input slopes: fp32[H]\n score = score - slopes[h] + slopes[0]", "input 'slopes' is read at h and at other values"),
+                          ("input slopes: fp32[H]\n score = score - slopes[0]", "input 'slopes' dimension 0 is declared H but not read at h"),
+                          ("input slopes: fp32[16]\n score = score - slopes[h]", "input 'slopes' dimension 0 is declared 16 but read at h")):
         with pytest.raises(InputError, match=message):
             axes(body)
 

@@ -67,6 +67,13 @@ def head_split_axes(spec: Spec) -> dict[str, tuple[int, ...]]:
             if not (isinstance(idx, Var) and idx.name == "h"):
                 raise InputError(f"context_parallel with method='ulysses' or 'hybrid': input {read.input!r} is read at h and at other "
                                  f"values on dimension {axis}; these methods split it by head (use method='ring')")
+    for decl in spec.inputs:  # each rank's kernel sees its share of the heads: H-sized dimensions are exactly those split
+        split = axes.get(decl.name, set())
+        for axis, dim in enumerate(decl.dims):
+            if (dim == "H") != (axis in split):
+                raise InputError(f"context_parallel with method='ulysses' or 'hybrid': input {decl.name!r} dimension {axis} is declared "
+                                 f"{dim} but {'not ' if axis not in split else ''}read at h; these methods give each rank's kernel its "
+                                 f"share of the heads, and split exactly the H dimensions read at h (use method='ring')")
     return {name: tuple(sorted(a)) for name, a in axes.items()}
 
 
