@@ -20,9 +20,22 @@ def pytest_configure(config):
     os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-test-cache-")
 
 
+# The longest tests on the CPU (2-5 minutes each on CI's 2 cores): run first, so that `pytest -n auto` does not leave
+# one of them running alone at the end while the other workers are idle (xdist hands tests out in collection order)
+LONGEST_FIRST = (
+    "tests/test_distributed.py::test_context_parallel_matches_one_process_and_the_reference",
+    "tests/test_tune.py::test_tuned_kernels_match_the_reference",
+    "tests/test_numerics.py::test_variant[dropout_",
+    "tests/test_tune.py::test_tuning_cache_is_reused_and_checked",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `interpreter` check the CPU path itself (Triton's interpreter, CPU tensors): under --device cuda
-    triton is imported without TRITON_INTERPRET, so they are skipped there, saying why."""
+    """The longest tests first (LONGEST_FIRST; the rest keep their order). Tests marked `interpreter` check the CPU
+    path itself (Triton's interpreter, CPU tensors): under --device cuda triton is imported without
+    TRITON_INTERPRET, so they are skipped there, saying why."""
+    rank = {prefix: i for i, prefix in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: next((i for prefix, i in rank.items() if item.nodeid.startswith(prefix)), len(LONGEST_FIRST)))
     if config.getoption("--device") == "cuda":
         skip = pytest.mark.skip(reason="a test of the CPU path (Triton's interpreter), which --device cuda leaves off")
         for item in items:
