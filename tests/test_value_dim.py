@@ -63,23 +63,29 @@ def test_the_output_and_dv_have_value_dim_columns(target, device):
 
 def test_packed_sequences_take_a_value_dim(target, device):
     kern = attngen.compile(_spec(MASKS["causal"]), target)
-    gen = torch.Generator().manual_seed(1)
-    q_lens, kv_lens = [5, 17, 9], [6, 0, 12]
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device) for n in (q_lens, kv_lens))
-    q = torch.randn(sum(q_lens), 4, 32, generator=gen).to(device).requires_grad_()
-    k = torch.randn(sum(kv_lens), 2, 32, generator=gen).to(device).requires_grad_()
-    v = torch.randn(sum(kv_lens), 2, 16, generator=gen).to(device).requires_grad_()
-    o, lse = kern(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
-    do = torch.randn(o.shape, generator=gen).to(device)
-    grads = torch.autograd.grad(o, (q, k, v), do)
-    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse = attngen.reference(kern.spec, *wide, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
-    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    o, lse, grads, ref, ref_lse, ref_grads = _packed_against_reference(kern, [5, 17, 9], [6, 0, 12], device, torch.float32)
     assert o.shape == (31, 4, 16) and not o.isnan().any() and all(not g.isnan().any() for g in grads)
     finite = ref_lse.isfinite()  # the second sequence has no key: lse = -inf
     assert torch.equal(lse.isfinite(), finite) and (lse.double()[finite] - ref_lse[finite]).abs().max() < 1e-4
     assert (o.double() - ref).abs().max() < 1e-4
     assert all((g.double() - r).abs().max() < 1e-3 for g, r in zip(grads, ref_grads))
+
+
+def _packed_against_reference(kern, q_lens, kv_lens, device, dtype):
+    """A packed call (4 query heads over 2, random q, k, v and dO of `dtype`) and its gradients, beside the float64
+    reference's: (O, lse, grads, ref O, ref lse, ref grads)."""
+    spec = kern.spec
+    gen = torch.Generator().manual_seed(1)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device) for n in (q_lens, kv_lens))
+    q = torch.randn(sum(q_lens), 4, spec.head_dim, generator=gen).to(device, dtype).requires_grad_()
+    k = torch.randn(sum(kv_lens), 2, spec.head_dim, generator=gen).to(device, dtype).requires_grad_()
+    v = torch.randn(sum(kv_lens), 2, spec.dv, generator=gen).to(device, dtype).requires_grad_()
+    o, lse = kern(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    do = torch.randn(o.shape, generator=gen).to(device, dtype)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = attngen.reference(spec, *wide, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    return o, lse, grads, ref, ref_lse, torch.autograd.grad(ref, wide, do.double())
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -216,18 +222,7 @@ def test_packed_sequences_take_a_value_dim_through_the_gluon_forward(device):
     if device != "cuda":
         pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
     kern = attngen.compile(_spec(MASKS["causal"], 128, "bf16", 192), backend="gluon")
-    gen = torch.Generator().manual_seed(1)
-    q_lens, kv_lens = [130, 300, 7], [200, 0, 129]
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda") for n in (q_lens, kv_lens))
-    q = torch.randn(sum(q_lens), 4, 192, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
-    k = torch.randn(sum(kv_lens), 2, 192, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
-    v = torch.randn(sum(kv_lens), 2, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
-    o, lse = kern(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
-    do = torch.randn(o.shape, generator=gen).to("cuda", torch.bfloat16)
-    grads = torch.autograd.grad(o, (q, k, v), do)
-    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse = attngen.reference(kern.spec, *wide, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
-    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    o, lse, grads, ref, ref_lse, ref_grads = _packed_against_reference(kern, [130, 300, 7], [200, 0, 129], "cuda", torch.bfloat16)
     assert o.shape == (437, 4, 128) and not o.isnan().any() and all(not g.isnan().any() for g in grads)
     finite = ref_lse.isfinite()  # the second sequence has no key: lse = -inf
     assert torch.equal(lse.isfinite(), finite) and (lse.double()[finite] - ref_lse[finite]).abs().max() < 2e-2
