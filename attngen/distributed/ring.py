@@ -134,17 +134,17 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
                              f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {mine[0].length}")
     if method != "ring":  # Ulysses, alone or inside the hybrid's sub-groups
-        head_split_axes(spec)  # (raises where the expressions read h other than as an input's index)
+        axes = head_split_axes(spec)  # the inputs split with the heads (raises where h is read otherwise)
         _check_same_shapes(ring, q, k)
         names = [d.name for d in spec.inputs]
         if method == "ulysses":
-            o, lse = ulysses_forward(kern, q, k, v, tensors, names, group, layout)
+            o, lse = ulysses_forward(kern, q, k, v, tensors, names, axes, group, layout)
         else:
             sub, across = hybrid_groups(group, ring.world, ulysses_size)
 
             def ring_part(qh, kh, vh, local):  # the ring across sub-groups, on the sub-group's shard
                 return context_parallel(kern, qh, kh, vh, group=across, layout=layout, return_lse=True, **dict(zip(names, local)))
-            o, lse = ulysses_forward(kern, q, k, v, tensors, names, sub, layout, ring_part)
+            o, lse = ulysses_forward(kern, q, k, v, tensors, names, axes, sub, layout, ring_part)
         return (o, lse) if return_lse else o
     # the sink's inputs get gradients (summed over the ranks); the score's do not yet
     sink_reads = {r.input for r in input_reads(spec.sink)} - {g.read.input for g in kern.plan.read_grads}

@@ -151,7 +151,8 @@ def kv_head_ranges(hq: int, hkv: int, world: int) -> list[range]:
     return [range(r.start // group_size, (r.stop - 1) // group_size + 1) for r in _ranges(hq, world)]
 
 
-def check_heads(hq: int, hkv: int, world: int) -> None:
+def check_head_split(hq: int, hkv: int, world: int) -> None:
+    """The heads split across `world` ranks: query heads evenly, key/value heads a multiple or a divisor of world."""
     if hq % world:
         raise InputError(f"context_parallel with method='ulysses' or 'hybrid' splits the query heads across {world} ranks; q has {hq}")
     if hkv % world and world % hkv:
@@ -208,17 +209,17 @@ def split_inputs(inputs: list, names: list[str], axes: dict[str, tuple[int, ...]
     return out
 
 
-def ulysses_forward(kern, q, k, v, inputs: list, names: list[str], group, layout: str, ring_method=None):
-    """O and the lse (natural log) of this rank's shard by Ulysses over `group`; with ring_method (a callable taking
-    the sub-group's shard q, k, v and the inputs, returning O and the lse in natural log), the ring across
-    sub-groups runs in place of the kernel on the sub-group's sequence."""
+def ulysses_forward(kern, q, k, v, inputs: list, names: list[str], axes: dict[str, tuple[int, ...]], group, layout: str, ring_method=None):
+    """O and the lse (natural log) of this rank's shard by Ulysses over `group`, the inputs split along `axes`
+    (head_split_axes); with ring_method (a callable taking the sub-group's shard q, k, v and the inputs, returning O
+    and the lse in natural log), the ring across sub-groups runs in place of the kernel on the sub-group's sequence."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
-    check_heads(hq, hkv, world)
+    check_head_split(hq, hkv, world)
     q_heads, kv_heads = _ranges(hq, world), kv_head_ranges(hq, hkv, world)
     order = token_order(layout, me, world, n)
     qh, kh, vh = to_heads(q, q_heads, group, order), to_heads(k, kv_heads, group, order), to_heads(v, kv_heads, group, order)
-    local = split_inputs(inputs, names, head_split_axes(kern.spec), q_heads[me], group)
+    local = split_inputs(inputs, names, axes, q_heads[me], group)
     if ring_method is None:
         o, lse = kern(qh, kh, vh, return_lse=True, **dict(zip(names, local)))
     else:
