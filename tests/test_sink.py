@@ -278,6 +278,41 @@ def test_the_pre_pass_alone_gives_each_row_s_sink_gradient(dlse, target, device)
     assert (got.double() - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item())
 
 
+def test_a_plain_call_like_one_made_before_replays_its_launches(target, device):
+    """The Triton module keeps a plain call's launches by its signature (`known`) and replays them for later calls
+    of that signature: forward and backward (the pre-pass writing the rows' sink gradients, dQ's kernel and dK/dV's)
+    exact on other values against the float64 reference, into new outputs each call. On the GPU the same through
+    the kernel's calls (Kernel._plain_calls), the sinks' gradient reduced from the rows', checked by the project's
+    rule on three calls of one signature."""
+    from attngen.runtime.loader import interpreted_if_cpu
+
+    kern = attngen.compile(GPT_OSS.replace("DT", "fp32"), target, backend="triton")
+    m, key, outputs = kern.module, ("a plain call's signature",), []
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(seed)
+        q, do = (torch.randn(2, 4, 40, 64, generator=gen).to(device) for _ in range(2))
+        k, v = (torch.randn(2, 2, 40, 64, generator=gen).to(device) for _ in range(2))
+        sinks = torch.randn(4, generator=gen).to(device)
+        with interpreted_if_cpu(q.device):
+            o, lse = m.attention_forward(q, k, v, sinks, known=key)
+            rows = torch.empty(lse.shape, device=device)
+            dq, dk, dv = m.attention_backward(q, k, v, o, lse, do, None, sinks, sink_grads=rows, known=key)
+        wide = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+        ref, ref_lse = attngen.reference(kern.spec, *wide[:3], return_lse=True, dtype=torch.float64, sinks=wide[3])
+        want = (ref, ref_lse, *torch.autograd.grad(ref, wide, do.double()))
+        got = (o, lse * 0.6931471805599453, dq, dk, dv, rows.sum((0, 2)))
+        for name, g, w in zip(("O", "lse", "dQ", "dK", "dV", "dsinks"), got, want):
+            assert not g.isnan().any() and (g.double() - w).abs().max() <= 1e-4 * max(1.0, w.abs().max().item()), name
+        assert not any(o is t for t in outputs)
+        outputs += [o, dq]
+    assert m.forward_replay(key) is not None and len(m._BACKWARD_CALLS) == 1 and all(m._BACKWARD_CALLS.values())
+    if device == "cuda":
+        results = [verify.check_one(kern, (2, 4, 2, 200, 200), device, seed) for seed in range(3)]
+        assert all(r.ok and not r.nan for r in results), verify.format_table(kern.spec.name, results)
+        (plain,) = kern._plain_calls.values()
+        assert plain.backward is not None and len(m._FORWARD_CALLS) == 2 and len(m._BACKWARD_CALLS) == 2
+
+
 def test_flex_with_the_sink_applied_outside_matches_the_reference():
     """attngen bench's FlexAttention peer for a spec with a sink: Flex's output and row log-sum-exp, the sink
     joined afterwards (eager FlexAttention runs on CPU)."""

@@ -49,8 +49,9 @@ class AttentionFunction(torch.autograd.Function):
             return (None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * len(inputs)
         if do is None:
             do = torch.zeros_like(o)
-        if ctx.route is not None:  # (a plain call with no float input: no input gradient)
-            return (None, None, *ctx.route(q, k, v, o, lse, do, dlse, inputs)) + (None,) * len(inputs)
+        if ctx.route is not None:  # a plain call's backward, chosen once for its signature
+            dq, dk, dv, grads = ctx.route(q, k, v, o, lse, do, dlse, inputs, ctx.needs_input_grad[5:])
+            return (None, None, dq, dk, dv, *grads)
         dropout_p, seed, block_mask, varlen = ctx.options
         wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[5:], inputs)]
         dq, dk, dv, grads = ctx.kernel._backward_impl(q, k, v, o, lse, do, dlse, inputs, dropout_p, seed, block_mask, any(wanted), varlen)

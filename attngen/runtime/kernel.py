@@ -9,6 +9,7 @@ in Triton's interpreter, a bf16 spec through its float32 twin).
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -22,7 +23,7 @@ from ..plan.decode import takes_plain_call
 from ..plan.planner import KernelPlan
 from ..plan.tune import Tuner
 from ..plan.tune import bucket as tune_bucket
-from .autograd import AttentionFunction, Ops
+from .autograd import AttentionFunction, Ops, as_input_grads
 from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .dtypes import TORCH_DTYPES
@@ -43,7 +44,8 @@ class PlainCall:
     """What a plain call (q, k, v and the declared inputs, nothing else) of one signature runs, decided by its
     first call once its checks passed: the decode kernels (decodes), or `forward`, fn(q, k, v, inputs) -> (O, lse in
     log2 units), in an autograd node where the call records a gradient (grad), whose backward is `backward`,
-    fn(q, k, v, o, lse, do, dlse, inputs) -> (dQ, dK, dV), or None: Kernel._backward_impl's choice at each call."""
+    fn(q, k, v, o, lse, do, dlse, inputs, wanted) -> (dQ, dK, dV, each input's gradient or None), or None:
+    Kernel._backward_impl's choice at each call (Kernel._plain_backward)."""
 
     __slots__ = ("dims", "names", "grad", "decodes", "forward", "backward")
 
@@ -186,7 +188,7 @@ class Kernel:
                 self._plain_calls.clear()
             plain = self._plain_calls[key] = PlainCall(dims, [d.name for d in self.spec.inputs], grad, decodes,
                                                        None if decodes else self._plain_forward(dims, q.device, key),
-                                                       self._plain_backward(dims, q.device) if grad else None)
+                                                       self._plain_backward(dims, q.device, key) if grad else None)
             o, lse2 = plain.run(self, key, q, k, v, inputs)
             return (o, lse2 * LN2) if return_lse else o
         if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
@@ -262,34 +264,45 @@ class Kernel:
         """The forward of a plain call without gradient (PlainCall): fn(q, k, v, inputs) -> (O, the lse in log2 units),
         the kernels _forward_impl takes for these sizes on this device, called with nothing left to decide (the
         Gluon module's replays the launch of the call signature `key`)."""
-        gluon = self.gluon
+        gluon, module = self.gluon, self.module
         if device.type == "cuda" and self.generator.forward_at(dims.kv_len) == "gluon" and is_sm90(device):
             if hasattr(gluon, "forward_replay"):  # a module keeping recipes: `known` is the signature, replayed once it has one
-                replayed = []
-
-                def forward(q, k, v, inputs):
-                    if replayed:
-                        return replayed[0](q, k, v)
-                    out = gluon.attention_forward(q, k, v, *inputs, known=key)
-                    replay = gluon.forward_replay(key)
-                    if replay is not None:
-                        replayed.append(replay)
-                    return out
-                return forward
+                return _replayed(lambda q, k, v, inputs: gluon.attention_forward(q, k, v, *inputs, known=key), lambda: gluon.forward_replay(key))
             return lambda q, k, v, inputs: gluon.attention_forward(q, k, v, *inputs)
+        if device.type == "cuda" and self.tuner is None and hasattr(module, "forward_replay"):  # the plan's tiles: the same launch every call
+            return _replayed(lambda q, k, v, inputs: module.attention_forward(q, k, v, *inputs, known=key), lambda: module.forward_replay(key))
         if device.type == "cuda":
             return lambda q, k, v, inputs: self._triton_forward(dims, {}, q, k, v, inputs)
         return lambda q, k, v, inputs: self._forward_impl(q, k, v, inputs, 0.0, None, None)
 
-    def _plain_backward(self, dims: Dims, device: torch.device):
-        """The backward of a plain call (PlainCall) where _backward_impl would take the Gluon kernels and no input
-        has a gradient (the spec declares no float input): fn(q, k, v, o, lse, do, dlse, inputs) -> (dQ, dK, dV);
-        None otherwise (_backward_impl decides at each call)."""
-        if (device.type != "cuda" or any(TORCH_DTYPES[d.dtype].is_floating_point for d in self.spec.inputs)
-                or not self._gluon_backward(dims.q_len, dims.kv_len) or not is_sm90(device)):
+    def _plain_backward(self, dims: Dims, device: torch.device, key: tuple):
+        """The backward of a plain call (PlainCall) of signature `key` on a CUDA device, fn(q, k, v, o, lse, do, dlse,
+        inputs, wanted) -> (dQ, dK, dV, the gradient of each input or None, as `wanted` says), decided once: the
+        Gluon kernels where _backward_impl would take them and the spec declares no float input; the Triton
+        module's, replaying its launches, where the plan's tiles are used and no input gradient comes from the
+        score's terms (a sink's inputs from the rows' sink gradients its pre-pass writes); None otherwise
+        (_backward_impl decides at each call)."""
+        if device.type != "cuda":
             return None
-        gluon = self.gluon
-        return lambda q, k, v, o, lse, do, dlse, inputs: gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs)
+        spec, gluon, module = self.spec, self.gluon, self.module
+        none = (None,) * len(spec.inputs)
+        floats = any(TORCH_DTYPES[d.dtype].is_floating_point for d in spec.inputs)
+        if self._gluon_backward(dims.q_len, dims.kv_len) and is_sm90(device):
+            if floats:
+                return None
+            return lambda q, k, v, o, lse, do, dlse, inputs, wanted: (*gluon.attention_backward(q, k, v, o, lse, do, dlse, *inputs), none)
+        if self.tuner is not None or self.plan.read_grads or "known" not in inspect.signature(module.attention_backward).parameters:
+            return None
+        sink = spec.sink is not None
+
+        def backward(q, k, v, o, lse, do, dlse, inputs, wanted):
+            sink_grads = torch.empty(lse.shape, device=lse.device, dtype=torch.float32) if sink and any(wanted) else None
+            extra = {"sink_grads": sink_grads} if sink else {}
+            dq, dk, dv = module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **extra, known=key)
+            if not any(wanted):
+                return dq, dk, dv, none
+            return dq, dk, dv, as_input_grads(inputs, self._sink_input_grads(dims, inputs, sink_grads, None), wanted)
+        return backward
 
     def _named(self, inputs) -> dict:
         """The declared inputs (given in the spec's order) by name."""
@@ -433,3 +446,19 @@ class Kernel:
         name = tune_bucket(phase, gpu, dims.batch * dims.heads, dims.q_len, dims.kv_len, dims.heads // dims.kv_heads, flags)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         return {"tiles": self.tuner.tiles(phase, name, run, sync)}
+
+
+def _replayed(first, replay_of):
+    """A plain call's forward, fn(q, k, v, inputs) -> (O, lse): `first` (the same signature) until replay_of() gives
+    the module's replay of its launch, recorded by a call of `first`; that replay (fn(q, k, v, *inputs)) from then on."""
+    replayed = []
+
+    def forward(q, k, v, inputs):
+        if replayed:
+            return replayed[0](q, k, v, *inputs)
+        out = first(q, k, v, inputs)
+        replay = replay_of()
+        if replay is not None:
+            replayed.append(replay)
+        return out
+    return forward

@@ -43,6 +43,11 @@ def context(plan: KernelPlan) -> dict:
         tile_class = lower_tile_class(plan.mask, scope)
         if tile_class is not None:
             helpers |= tile_class.helpers
+    # plain training calls (nothing but q, k, v and the inputs) keep their launches' arguments by call signature and
+    # replay them (attngen.runtime.launch.Recipe); calls whose launchers make tensors of their own (TMA copies, the
+    # inputs' pre-pass summaries, dropout seeds, FP8 copies) decide again at every call
+    recorded = not (plan.tma or spec.dropout > 0.0 or spec.sparsity == "runtime" or plan.dtype is DType.FP8
+                    or (tile_class is not None and bool(tile_class.bounds)))
     return {
         "name": spec.name,
         "spec_hash": plan.spec_hash,
@@ -77,6 +82,8 @@ def context(plan: KernelPlan) -> dict:
         "odv": "offs_dv" if plan.value_dim != plan.head_dim else "offs_d",  # the column offsets of V, O, dO and dV tiles
         "dv_pad": "VALUE_DIM_PAD" if plan.value_dim != plan.head_dim else "HEAD_DIM_PAD",
         "tma": plan.tma,
+        "recorded": recorded,
+        "bwd_recorded": recorded and not dq.read_grads,  # (the terms of input gradients: buffers made per call)
         "warp_specialize": plan.warp_specialize,
         # float32 specs ask for exact float32 products: Triton's default for fp32 dots is TF32 on the GPU.
         "dot_args": ', input_precision="ieee"' if plan.dtype is DType.FP32 else "",
