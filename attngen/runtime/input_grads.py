@@ -21,6 +21,10 @@ def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], 
     from row_sink_grads (B, H, Nq): d loss / d sink of each query row, times d sink / d read there. Reduced in a fixed
     order (deterministic). An input with no differentiable read (read only by the mask, or not at all) gets
     zeros: the mask is piecewise constant."""
+    if not reads and row_sink_grads is not None:
+        direct = _sums_of_rows(spec, dims, inputs, row_sink_grads)
+        if direct is not None:
+            return direct
     grads = {name: torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.device.type == "cpu" else torch.float32)
              for name, t in inputs.items() if t.is_floating_point()}
     scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
@@ -57,6 +61,30 @@ def _sink_slopes(spec: Spec) -> tuple:
         scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
         entry = _SLOPES[id(spec)] = (spec, tuple((read, read_derivative(spec.sink, scope, read)) for read in input_reads(spec.sink)))
     return entry[1]
+
+
+def _sums_of_rows(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """reduce_input_grads where the sink alone reads float inputs, each once, at distinct index variables that span
+    the input exactly (gpt-oss's sinks[h] of an (H,) input), with a constant slope: each such input's gradient is
+    the rows' gradients times the slope, summed over the other axes (one float32 reduction on the rows' device,
+    the same order every run: a few thousand rows a head, far inside the gradient's error budget). None where the reads are not all of that form."""
+    grads = {}
+    sizes = dict(zip(_AXES, rows.shape))
+    for read, slope in _sink_slopes(spec):
+        t = inputs[read.input]
+        if not t.is_floating_point():
+            continue
+        names = [i.name if isinstance(i, Var) else None for i in read.indices]
+        if (read.input in grads or not isinstance(slope, Const) or not _plain(read, 3) or None in names
+                or tuple(t.shape) != tuple(sizes[n] for n in names)):
+            return None
+        others = [a for a, name in enumerate(_AXES[:3]) if name not in names]
+        g = rows.sum(dim=others) if others else rows
+        order = [sorted(names, key=_AXES.index).index(n) for n in names]
+        if order != sorted(order):
+            g = g.permute(order)
+        grads[read.input] = (g * slope.value if slope.value != 1 else g).to(t.dtype)
+    return {name: grads[name] if name in grads else torch.zeros_like(t) for name, t in inputs.items() if t.is_floating_point()}
 
 
 def sink_share_grads(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
