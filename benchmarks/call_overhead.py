@@ -1,7 +1,7 @@
 """Host time per call, by call kind, beside PyTorch's peers and the bare kernel launch; with --profile, where each
 microsecond goes.
 
-    python benchmarks/call_overhead.py [--kinds forward train decode paged packed fp8 compiled] [--calls 2000]
+    python benchmarks/call_overhead.py [--kinds forward train sink decode paged packed fp8 compiled generate] [--calls 2000]
                                        [--profile] [--json results.json]
 
 Each kind is a call whose GPU work is small (so a loop of calls runs at the host's pace): its rows are timed as
@@ -16,6 +16,9 @@ checks its result against the first peer's before it is timed. The kinds:
 - decode: B = 1, 32 query heads over 8 key/value heads, d = 128, one query, 4096 cached keys, `kv_lens=`; SDPA
   with enable_gqa; the same attngen call replayed from a CUDA graph; the Triton module's decode launcher alone.
 - paged: the same over a paged cache (16-token pages, a block table).
+- sink: gpt-oss's windowed layer (64 query heads over 8 key/value heads, d = 64, 512 tokens, a window of 128 keys,
+  a learned sink per head), forward + backward with the sinks' gradient; the same spec without the sink; SDPA
+  (causal, enable_gqa); transformers-style eager attention with the sink (the check's peer).
 - packed: four sequences of 128 tokens (cu_seqlens), 16 heads, d = 128, causal, forward + backward.
 - fp8: the forward of `dtype = fp8` (causal, d = 128) on e4m3 inputs with per-head descales, beside the bf16 call.
 - compiled: inside torch.compile(fullgraph=True), no grad: the kernel's operator; a `triton_op` launching the
@@ -46,7 +49,7 @@ import attngen  # noqa: E402
 from attngen import fp8  # noqa: E402
 from attngen.plan.decode import decode_shape  # noqa: E402
 
-KINDS = ("forward", "train", "decode", "paged", "packed", "fp8", "compiled", "generate")
+KINDS = ("forward", "train", "sink", "decode", "paged", "packed", "fp8", "compiled", "generate")
 GENERATED = 64  # tokens a `generate` call makes
 CAUSAL = ROOT / "specs" / "causal.attn"
 
@@ -121,6 +124,28 @@ def kind_train(kern):
             "autograd.Function doing no work": train(lambda q, k, v: Idle.apply(q, k, v)),
             "custom_op + register_autograd doing no work": train(idle_op())}
     return rows, sdpa, None
+
+
+def kind_sink(_):
+    sink = attngen.compile(ROOT / "specs" / "sink_window.attn")
+    plain = attngen.compile("attention window_no_sink { head_dim = 64 dtype = bf16 mask = q_idx >= kv_idx and kv_idx > q_idx - 128 }")
+    q, k, v = randn(1, 64, 512, 64, grad=True), randn(1, 8, 512, 64, grad=True), randn(1, 8, 512, 64, grad=True)
+    sinks = torch.randn(64, device="cuda", requires_grad=True)
+    do = randn(1, 64, 512, 64)
+    pos = torch.arange(512, device="cuda")
+    keep = (pos[:, None] >= pos[None]) & (pos[None] > pos[:, None] - 128)
+
+    def eager():  # gpt-oss's eager attention: the sink as one more logit of each row, dropped after the softmax
+        s = q.float() @ k.float().repeat_interleave(8, 1).transpose(-1, -2) / 8.0
+        s = torch.cat([s.masked_fill(~keep, float("-inf")), sinks.view(1, 64, 1, 1).expand(1, 64, 512, 1)], -1)
+        o = (torch.softmax(s, -1)[..., :-1] @ v.float().repeat_interleave(8, 1)).to(q.dtype)
+        return torch.autograd.grad(o, (q, k, v, sinks), do)
+    rows = {"attngen": lambda: torch.autograd.grad(sink(q, k, v, sinks=sinks), (q, k, v, sinks), do),
+            "attngen, the same without the sink": lambda: torch.autograd.grad(plain(q, k, v), (q, k, v), do),
+            "SDPA (causal, enable_gqa)": lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                                                                    (q, k, v), do),
+            "eager with the sink": eager}
+    return rows, eager, 3e-2
 
 
 def idle_op():
@@ -291,7 +316,7 @@ def main():
     torch.manual_seed(0)
     kern = attngen.compile(CAUSAL)
     paged = attngen.compile(ROOT / "specs" / "paged_decode.attn")
-    makers = {"forward": kind_forward, "train": kind_train, "decode": kind_decode, "paged": lambda _: kind_paged(paged),
+    makers = {"forward": kind_forward, "train": kind_train, "sink": kind_sink, "decode": kind_decode, "paged": lambda _: kind_paged(paged),
               "packed": kind_packed, "fp8": kind_fp8, "compiled": kind_compiled, "generate": kind_generate}
     results, profiles = {}, {}
     for kind in args.kinds:
