@@ -143,15 +143,18 @@ def test_packed_sequences_give_the_sinks_gradient(name, target, device):
     q = torch.randn(sum(q_lens), 4, 32, generator=gen).to(device).requires_grad_()
     k, v = (torch.randn(sum(kv_lens), 2, 32, generator=gen).to(device).requires_grad_() for _ in range(2))
     sinks = torch.randn(shape, generator=gen).to(device).requires_grad_()
-    o, lse = kern(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, sinks=sinks)
-    do, dlse = torch.randn(o.shape, generator=gen).to(device), torch.randn(lse.shape, generator=gen).to(device)
-    grads = torch.autograd.grad((o, lse), (q, k, v, sinks), (do, dlse))
+    do, dlse = torch.randn(q.shape, generator=gen).to(device), torch.randn(4, q.shape[0], generator=gen).to(device)
     wide = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
     ref, ref_lse = attngen.reference(kern.spec, *wide[:3], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, sinks=wide[3])
     ref_grads = torch.autograd.grad((ref, ref_lse), wide, (do.double(), dlse.double()))
-    assert all(not g.isnan().any() for g in grads) and grads[3].shape == sinks.shape
-    for g, r in zip(grads, ref_grads):
-        assert (g.double() - r).abs().max() < 1e-3 * max(1.0, r.abs().max().item()), (g, r)
+    # checked each call; with max_seqlen given, the second call is the kept one (Kernel._packed_calls)
+    for longest in ({}, {"max_seqlen_q": 70, "max_seqlen_k": 80}, {"max_seqlen_q": 70, "max_seqlen_k": 80}):
+        o, lse = kern(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, sinks=sinks, **longest)
+        grads = torch.autograd.grad((o, lse), (q, k, v, sinks), (do, dlse))
+        assert all(not g.isnan().any() for g in grads) and grads[3].shape == sinks.shape
+        for g, r in zip(grads, ref_grads):
+            assert (g.double() - r).abs().max() < 1e-3 * max(1.0, r.abs().max().item()), (g, r)
+    assert len(kern._packed_calls) == 1
 
 
 @pytest.mark.parametrize("setting, message", [

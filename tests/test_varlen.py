@@ -61,10 +61,11 @@ def test_packed_sequences_through_the_gluon_kernels(name, deterministic, device)
     _check_packed(kern, device, exact_dq=deterministic)
 
 
-def _check_packed(kern, device, exact_dq=True):
+def _check_packed(kern, device, exact_dq=True, seed=0, max_seqlen=False):
+    """max_seqlen: the call gives max_seqlen_q and max_seqlen_k (which a packed call kept by signature needs)."""
     name = kern.spec.name
     dtype = TORCH_DTYPES[kern.spec.dtype.value]
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     cq, ck = _offsets(LENGTHS[0], device), _offsets(LENGTHS[1], device)
     d, dv = kern.spec.head_dim, kern.spec.dv
     q, do = (torch.randn(sum(LENGTHS[0]), HQ, w, generator=gen).to(device=device, dtype=dtype) for w in (d, dv))
@@ -72,7 +73,8 @@ def _check_packed(kern, device, exact_dq=True):
     inputs = _inputs(kern, device, gen)
     batched = {d.name: d.dims[0] == "B" for d in kern.spec.inputs}  # indexed by b: sliced to the sequence alone
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = kern(*leaves, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **inputs)
+    longest = {"max_seqlen_q": max(LENGTHS[0]), "max_seqlen_k": max(LENGTHS[1])} if max_seqlen else {}
+    out, lse = kern(*leaves, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **longest, **inputs)
     assert out.shape == (*q.shape[:2], dv) and lse.shape == (HQ, q.shape[0])
     grads = torch.autograd.grad(out, leaves, do)
     assert not any(torch.isnan(t).any() for t in (out, lse, *grads))
@@ -189,6 +191,28 @@ def test_offsets_checked_once_are_checked_again_after_an_in_place_change(target,
     cq[1] = 11  # no longer ends at 10 after an increasing step
     with pytest.raises(InputError, match="cu_seqlens_q must start at 0 and never decrease"):
         _call(kern, device, cu_seqlens_q=cq)
+
+
+@pytest.mark.parametrize("name", ["causal", "key_padding"])
+def test_a_packed_call_like_one_made_before_is_kept(name, target, device):
+    """Packed calls that give max_seqlen_q/_k are kept by their signature (Kernel._packed_calls): checks and choices
+    once, then the passes on views made inside one autograd node. Later calls of the signature on other values are
+    exact against each sequence alone and the reference; their offsets are still checked (once per tensor and
+    version), and another max_seqlen or an input that records a gradient is another signature."""
+    kern = attngen.compile(ROOT / "specs" / f"{name}.attn", target)
+    for seed in (0, 1):
+        _check_packed(kern, device, seed=seed, max_seqlen=True)
+    assert len(kern._packed_calls) == 1
+    kern = attngen.compile(ROOT / "specs" / "causal.attn", target)
+    cq = _offsets([4, 6], device)
+    _call(kern, device, cu_seqlens_q=cq, max_seqlen_q=6, max_seqlen_k=7)
+    _call(kern, device, cu_seqlens_q=cq, max_seqlen_q=6, max_seqlen_k=7)
+    cq[1] = 11  # no longer ends at 10 after an increasing step
+    with pytest.raises(InputError, match="cu_seqlens_q must start at 0 and never decrease"):
+        _call(kern, device, cu_seqlens_q=cq, max_seqlen_q=6, max_seqlen_k=7)
+    with pytest.raises(InputError, match="max_seqlen_q = 5, but a sequence of cu_seqlens_q has 6 rows"):
+        _call(kern, device, max_seqlen_q=5, max_seqlen_k=7)
+    assert len(kern._packed_calls) == 1
 
 
 @pytest.mark.parametrize("backend", ["auto", "gluon"])

@@ -32,9 +32,9 @@ from .fp8 import dequantize, fp8_call
 from .input_grads import LOG2E, reduce_input_grads, row_delta, sink_share_grads, unpacked_rows
 from .layout import empty_like_layout
 from .loader import check_device, interpreted_if_cpu, is_sm90
-from .packed import check_packed, check_packed_features
+from .packed import check_offsets, check_packed, check_packed_features, heads_first
 from .serving import decode_impl, serving_call, serving_signature
-from .signature import call_signature
+from .signature import call_signature, packed_signature
 from .twins import float32_twin, up
 
 LN2 = 0.6931471805599453
@@ -61,6 +61,50 @@ class PlainCall:
         return self.forward(q, k, v, tensors)
 
 
+class PackedCall:
+    """What a plain packed call (q, k, v in flash_attn's (total, H, D) layout, cu_seqlens_q/_k, max_seqlen_q/_k and
+    the declared inputs) of one signature runs once its checks passed: the offsets' values checked (once per tensor
+    and version: packed.longest_sequence) against the signature's longest lengths, then the passes on (1, H,
+    total, D) views made inside the call, so autograd records one node (_PackedRun) and no view around it."""
+
+    __slots__ = ("dims", "names", "grad", "max_q", "max_k")
+
+    def __init__(self, dims: Dims, names: list[str], grad: bool, max_q: int, max_k: int):
+        self.dims, self.names, self.grad, self.max_q, self.max_k = dims, names, grad, max_q, max_k
+
+    def run(self, kernel: Kernel, q, k, v, inputs: dict, cu_q, cu_k, checked: bool = False):
+        """O (total_q, Hq, Dv) and the lse in log2 units (Hq, total_q). `checked`: the offsets were checked by this call."""
+        tensors = [inputs[name] for name in self.names]
+        if not checked and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            check_offsets("cu_seqlens_q", cu_q, q.shape[0], self.max_q)
+            check_offsets("cu_seqlens_k", cu_k, k.shape[0], self.max_k)
+        run = _PackedRun(kernel, (cu_q, cu_k, self.max_q, self.max_k))
+        if self.grad:
+            return AttentionFunction.apply(kernel, run, q, k, v, *tensors)
+        return run.forward(q, k, v, tensors)
+
+
+class _PackedRun:
+    """One packed call's passes as AttentionFunction takes them (`forward`, and `backward` as its route), on (total, H,
+    D) tensors: the kernels' (1, H, total, D) views are made and undone inside."""
+
+    __slots__ = ("kernel", "varlen")
+
+    def __init__(self, kernel: Kernel, varlen: tuple):
+        self.kernel, self.varlen = kernel, varlen
+
+    def forward(self, q, k, v, inputs):
+        o, lse2 = self.kernel._forward_impl(*heads_first(q, k, v), inputs, 0.0, None, None, self.varlen)
+        # (squeeze, not [0]: select's gradient is a zero-filled copy)
+        return o.squeeze(0).transpose(0, 1), lse2.squeeze(0)
+
+    def backward(self, q, k, v, o, lse, do, dlse, inputs, wanted):
+        dq, dk, dv, grads = self.kernel._backward_impl(*heads_first(q, k, v, o), lse.unsqueeze(0), *heads_first(do),
+                                                       None if dlse is None else dlse.unsqueeze(0), inputs, 0.0, None, None, any(wanted),
+                                                       self.varlen)
+        return (*(t.squeeze(0).transpose(0, 1) for t in (dq, dk, dv)), as_input_grads(inputs, grads, wanted))
+
+
 class Kernel:
     """A compiled attention variant: call it like a function of (q, k, v, **inputs)."""
 
@@ -80,6 +124,9 @@ class Kernel:
         self._plain_calls: dict[tuple, PlainCall] | None = (
             {} if spec.dropout == 0.0 and spec.sparsity != "runtime" and spec.dtype is not DType.FP8 and spec.kv_dtype is None
             and spec.kv_layout is not KVLayout.PAGED else None)
+        # plain packed calls (cu_seqlens with max_seqlen, the declared inputs, nothing else) by signature
+        # (signature.packed_signature): PackedCall; None where plain calls are
+        self._packed_calls: dict[tuple, PackedCall] | None = None if self._plain_calls is None else {}
         self._op_forwards: dict[tuple, object] = {}  # the same for the forwards of torch.compile's operator: _op_forward
         # serving calls by signature (serving.serving_signature): serving.ServingCall; None where the spec takes FP8
         # caches (their descale factors vary by call) or options the decode kernels refuse
@@ -158,6 +205,18 @@ class Kernel:
             if plain is not None:  # a plain call like one made before: its checks passed, its kernels known
                 o, lse2 = plain.run(self, key, q, k, v, inputs)
                 return (o, lse2 * LN2) if return_lse else o
+        packed_key = None
+        if (self._packed_calls is not None and not compiling and cu_seqlens_q is not None and cu_seqlens_k is not None and max_seqlen_q is not None
+                and max_seqlen_k is not None and dropout_p is None and seed is None and block_mask is None and kv_lens is None and q_lens is None
+                and block_table is None and q_descale is None and k_descale is None and v_descale is None):
+            try:
+                packed_key = packed_signature(q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            except (AttributeError, TypeError):  # not tensors, or lengths that are no ints: the checks below say which
+                packed_key = None
+            kept = self._packed_calls.get(packed_key)
+            if kept is not None:  # packed sequences like a call made before: its checks passed (the offsets' values are checked)
+                o, lse2 = kept.run(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k)
+                return (o, lse2 * LN2) if return_lse else o
         if self.spec.dtype is DType.FP8 or (self.spec.kv_dtype is None and (q_descale is not None or k_descale is not None or v_descale is not None)):
             o, lse2 = fp8_call(self, q, k, v, inputs, (q_descale, k_descale, v_descale), dropout_p, seed, block_mask, compiling,
                                any(t is not None for t in (kv_lens, q_lens, block_table, cu_seqlens_q, cu_seqlens_k)))
@@ -190,6 +249,12 @@ class Kernel:
                                                        None if decodes else self._plain_forward(dims, q.device, key),
                                                        self._plain_backward(dims, q.device, key) if grad else None)
             o, lse2 = plain.run(self, key, q, k, v, inputs)
+            return (o, lse2 * LN2) if return_lse else o
+        if packed_key is not None and not dims.empty:  # plain packed sequences: kept by their signature (PackedCall)
+            if len(self._packed_calls) >= 256:
+                self._packed_calls.clear()
+            kept = self._packed_calls[packed_key] = PackedCall(dims, [d.name for d in self.spec.inputs], grad, varlen[2], varlen[3])
+            o, lse2 = kept.run(self, *packed, inputs, cu_seqlens_q, cu_seqlens_k, checked=True)
             return (o, lse2 * LN2) if return_lse else o
         if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
             o, lse2 = self._ops().varlen_forward(*packed, tensors, *varlen, p, seed_t)

@@ -43,11 +43,17 @@ def check_packed(spec: Spec, q, k, v, cu_q, cu_k, max_q, max_k, compiling: bool)
                 raise InputError(f"while {while_}, pass max_seqlen_{name[-1]} (it cannot be read from {name})")
             lengths[name] = given
             continue
-        longest = longest_sequence(name, cu, total)
-        if given is not None and given < longest:
-            raise InputError(f"max_seqlen_{name[-1]} = {given}, but a sequence of {name} has {longest} rows")
-        lengths[name] = longest if given is None else given
+        lengths[name] = check_offsets(name, cu, total, given)
     return (*heads_first(q, k, v), (cu_q, cu_k, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"]))
+
+
+def check_offsets(name: str, cu: torch.Tensor, total: int, given: int | None) -> int:
+    """The longest sequence of offsets `cu` (longest_sequence's checks), at most `given` where that is given
+    (max_seqlen_q or max_seqlen_k); returns given, or the longest."""
+    longest = longest_sequence(name, cu, total)
+    if given is not None and given < longest:
+        raise InputError(f"max_seqlen_{name[-1]} = {given}, but a sequence of {name} has {longest} rows")
+    return longest if given is None else given
 
 
 def longest_sequence(name: str, cu: torch.Tensor, total: int) -> int:

@@ -32,3 +32,13 @@ def call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: di
         return plain
     named = inputs.items() if isinstance(inputs, dict) else enumerate(inputs)
     return plain + tuple((name, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for name, t in named)
+
+
+def packed_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: dict, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     max_q: int, max_k: int) -> tuple:
+    """The signature of a plain packed call (cu_seqlens_q/_k with max_seqlen_q/_k, no other option): call_signature's
+    of q, k, v and the inputs, whether each input records a gradient (packed calls refuse some input gradients),
+    each offsets tensor's shape, element type, device and 16-byte alignment, and the two longest lengths.
+    AttributeError where one is not a tensor."""
+    return (call_signature(q, k, v, inputs), tuple(t.requires_grad for t in inputs.values()), cu_q.shape, cu_q.dtype, cu_q.device,
+            cu_q.data_ptr() % 16, cu_k.shape, cu_k.dtype, cu_k.device, cu_k.data_ptr() % 16, max_q, max_k)
