@@ -4,6 +4,8 @@
     python examples/train_gpt.py --compile        # the same under torch.compile(fullgraph=True)
     python examples/train_gpt.py --compile --compile-mode reduce-overhead   # ... with CUDA graphs (no host time per call)
     python examples/train_gpt.py --smoke          # the CPU: 2 steps of a tiny model, kernels in Triton's interpreter
+    torchrun --nproc-per-node 2 examples/train_gpt.py --context-parallel 2 [--method ring|ulysses|hybrid]
+                                                  # each sequence split over 2 GPUs, the model sharded by FSDP2
 
 The runs (each starts from the same initial weights and sees the same batches in the same order):
 
@@ -19,6 +21,14 @@ name, the first --corpus-mb megabytes), one token per byte (a vocabulary of 256)
 The model is GPT-2's (pre-norm blocks, learned positions, tied embeddings) with heads of 128 dimensions, trained
 in bf16 autocast with AdamW. Written: OUT.json (per run: the loss at every step, held-out losses, tokens per
 second) and, where matplotlib is installed, OUT.png (the loss curves).
+
+--context-parallel N (under torchrun, N processes; gloo on the CPU, NCCL on GPUs): every rank takes the same batch
+and keeps its N-th of each sequence's tokens (the contiguous layout); attngen's attention is
+attngen.distributed.context_parallel over the ranks (--method: the ring, Ulysses' all-to-all over heads, or both),
+the model is sharded over the same ranks by FSDP2 (torch.distributed.fsdp.fully_shard), and each rank's loss is
+its tokens' mean, so the gradients FSDP averages are those of the whole batch's loss. The printed losses are the
+ranks' mean: the run's losses should match a one-process run's within bf16 noise. SDPA has no such form: its run
+is skipped.
 """
 from __future__ import annotations
 
@@ -34,7 +44,7 @@ from pathlib import Path
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--steps", type=int, default=500)
 ap.add_argument("--layers", type=int, default=6)
-ap.add_argument("--heads", type=int, default=4, help="attention heads of 128 dimensions each")
+ap.add_argument("--heads", type=int, default=None, help="attention heads of 128 dimensions each (default 4; 1 with --smoke)")
 ap.add_argument("--context", type=int, default=1024, help="tokens per sequence")
 ap.add_argument("--batch", type=int, default=16, help="sequences per step")
 ap.add_argument("--lr", type=float, default=1e-3)
@@ -47,10 +57,16 @@ ap.add_argument("--eval-every", type=int, default=100)
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--out", default="train_gpt", help="writes OUT.json and OUT.png")
 ap.add_argument("--smoke", action="store_true", help="CPU: 2 steps of a 1-layer, 1-head model over 32 tokens (the interpreter)")
+ap.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                help="split each sequence over N processes (torchrun --nproc-per-node N), the model sharded by FSDP2 over them")
+ap.add_argument("--method", default="ring", choices=["ring", "ulysses", "hybrid"], help="context parallelism's method (with --context-parallel)")
+ap.add_argument("--ulysses-size", type=int, default=None, help="Ulysses' group size with --method hybrid")
 args = ap.parse_args()
 if args.smoke:
-    args.steps, args.layers, args.heads, args.context, args.batch, args.eval_every, args.corpus_mb = 2, 1, 1, 32, 2, 2, 0.1
+    args.steps, args.layers, args.context, args.batch, args.eval_every, args.corpus_mb = 2, 1, 32, 2, 2, 0.1
+    args.heads = args.heads or 1
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+args.heads = args.heads or 4
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -63,6 +79,29 @@ import attngen  # noqa: E402
 HEAD_DIM = 128
 SPECS = {"attngen": ROOT / "specs" / "causal.attn", "window_softcap": ROOT / "examples" / "window_softcap.attn"}
 DEVICE = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+CP = args.context_parallel
+RANK = 0
+if CP > 1:  # one process per shard of the sequence (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT)
+    import torch.distributed as dist  # noqa: E402
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+    from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+    import attngen.distributed as cp  # noqa: E402
+
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) != CP:
+        raise SystemExit(f"--context-parallel {CP} runs under torchrun with {CP} processes: torchrun --nproc-per-node {CP} {sys.argv[0]} ...")
+    if args.context % CP:
+        raise SystemExit(f"--context {args.context} must be a multiple of --context-parallel {CP} (each rank keeps an equal share)")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+    RANK = dist.get_rank()
+    MESH = init_device_mesh(DEVICE, (CP,))
+    if "sdpa" in args.runs:
+        if RANK == 0:
+            print("(SDPA has no context-parallel form: its run is skipped)")
+        args.runs = [r for r in args.runs if r != "sdpa"]
+SHARD = args.context // CP  # the tokens of each sequence this rank keeps, from RANK * SHARD
 
 
 def corpus(max_bytes: int) -> torch.Tensor:
@@ -106,7 +145,10 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        """The mean loss over idx's tokens: with --context-parallel, this rank's share of each sequence (positions
+        from RANK * SHARD)."""
+        first = RANK * SHARD
+        x = self.tok(idx) + self.pos(torch.arange(first, first + idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.ln(x) @ self.tok.weight.t()  # tied embeddings
@@ -117,6 +159,8 @@ def attention(run: str):
     if run == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     kern = attngen.compile(SPECS[run], "h100" if DEVICE == "cpu" else None)  # the interpreter runs any target's kernels
+    if CP > 1:  # this rank's shard of the whole sequence's attention
+        return lambda q, k, v: cp.context_parallel(kern, q, k, v, method=args.method, ulysses_size=args.ulysses_size)
     return lambda q, k, v: kern(q, k, v)
 
 
@@ -126,7 +170,17 @@ def batches(data: torch.Tensor, seed: int):
     while True:
         starts = torch.randint(0, len(data) - args.context - 1, (args.batch,), generator=gen)
         rows = torch.stack([data[s:s + args.context + 1] for s in starts.tolist()]).to(DEVICE)
-        yield rows[:, :-1], rows[:, 1:]
+        x, y = rows[:, :-1], rows[:, 1:]
+        yield x[:, RANK * SHARD:(RANK + 1) * SHARD], y[:, RANK * SHARD:(RANK + 1) * SHARD]  # (all of it without --context-parallel)
+
+
+def mean_over_ranks(loss: torch.Tensor) -> float:
+    """A loss as a number: with --context-parallel the ranks' mean (each rank's is its tokens' mean, all equal in number)."""
+    if CP > 1:
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= CP
+    return loss.item()
 
 
 def autocast():
@@ -139,7 +193,7 @@ def held_out_loss(model, data: torch.Tensor) -> float:
     losses = []
     for _, (x, y) in zip(range(8), batches(data, args.seed + 1)):
         with autocast():
-            losses.append(model(x, y).item())
+            losses.append(mean_over_ranks(model(x, y)))
     model.train()
     return sum(losses) / len(losses)
 
@@ -147,6 +201,10 @@ def held_out_loss(model, data: torch.Tensor) -> float:
 def train(run: str, train_data: torch.Tensor, val_data: torch.Tensor, initial: dict) -> dict:
     model = GPT(args.layers, args.heads, args.context, attention(run)).to(DEVICE)
     model.load_state_dict(initial)
+    if CP > 1:  # FSDP2: each block's parameters, then the rest, sharded over the ranks; gradients averaged over them
+        for block in model.blocks:
+            fully_shard(block, mesh=MESH)
+        fully_shard(model, mesh=MESH)
     step_fn = torch.compile(model, fullgraph=True, mode=args.compile_mode) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
     warmup = max(1, args.steps // 10)
@@ -165,13 +223,14 @@ def train(run: str, train_data: torch.Tensor, val_data: torch.Tensor, initial: d
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        losses.append(loss.item())  # synchronizes
+        losses.append(mean_over_ranks(loss))  # synchronizes
         if step >= min(20, args.steps // 2):  # after warm-up (compilation, autotuning)
             timed_steps, timed_s = timed_steps + 1, timed_s + time.perf_counter() - t
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             held_out.append((step + 1, held_out_loss(model, val_data)))
-            print(f"  {run:<15} step {step + 1:>5}  loss {losses[-1]:.4f}  held-out {held_out[-1][1]:.4f}", flush=True)
-    tokens_per_s = timed_steps * args.batch * args.context / timed_s if timed_s else None
+            if RANK == 0:
+                print(f"  {run:<15} step {step + 1:>5}  loss {losses[-1]:.4f}  held-out {held_out[-1][1]:.4f}", flush=True)
+    tokens_per_s = timed_steps * args.batch * args.context / timed_s if timed_s else None  # (every rank's tokens together)
     return {"loss": losses, "held_out": held_out, "tokens_per_s": tokens_per_s}
 
 
@@ -182,11 +241,17 @@ def main():
     initial = GPT(args.layers, args.heads, args.context, None).state_dict()
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton's interpreter)"
     compiled = f", torch.compile (mode {args.compile_mode or 'default'})" if args.compile else ""
-    print(f"{name}; torch {torch.__version__}; {len(data)} bytes of corpus; {args.layers} layers x {args.heads} heads x {HEAD_DIM}, "
-          f"{args.batch} x {args.context} tokens per step, {args.steps} steps{compiled}")
+    sharded = f", context parallel over {CP} processes ({args.method}) with FSDP2" if CP > 1 else ""
+    if RANK == 0:
+        print(f"{name}; torch {torch.__version__}; {len(data)} bytes of corpus; {args.layers} layers x {args.heads} heads x {HEAD_DIM}, "
+              f"{args.batch} x {args.context} tokens per step, {args.steps} steps{compiled}{sharded}")
     results = {}
     for run in args.runs:
         results[run] = train(run, data[:split], data[split:], initial)
+    if CP > 1:
+        dist.destroy_process_group()
+        if RANK:
+            return
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"device": name, "torch": torch.__version__, "corpus_bytes": len(data)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
