@@ -160,38 +160,62 @@ def check_head_split(hq: int, hkv: int, world: int) -> None:
                          f"nor divide them")
 
 
-def token_order(layout: str, rank: int, world: int, n: int) -> torch.Tensor | None:
+def token_order(layout: str, rank: int, world: int, n: int, device=None) -> torch.Tensor | None:
     """Where the gathered rows (rank 0's shard, then rank 1's, ...) are in the sub-group's sequence order: None for
     the contiguous layout (already in order), else the permutation that puts them in order (zigzag: each rank's
-    first chunks, then the second chunks in reverse rank order)."""
+    first chunks, then the second chunks in reverse rank order), on `device`."""
     if layout == "contiguous":
         return None
     half = n // 2
-    firsts = [r * n + i for r in range(world) for i in range(half)]
-    seconds = [r * n + half + i for r in reversed(range(world)) for i in range(half)]
-    return torch.tensor(firsts + seconds)
+    firsts = torch.arange(world, device=device)[:, None] * n + torch.arange(half, device=device)
+    seconds = torch.arange(world - 1, -1, -1, device=device)[:, None] * n + half + torch.arange(half, device=device)
+    return torch.cat([firsts.flatten(), seconds.flatten()])
 
 
-def to_heads(t: torch.Tensor, heads: list[range], group, order: torch.Tensor | None) -> torch.Tensor:
-    """A rank's shard t (B, H, n, D) -> the sub-group's rows (B, len(heads[me]), world n, D) of its heads, in sequence order."""
+_PLANS: dict = {}  # (layout, world, n, query head ranges, key/value head ranges, device) -> _Plan
+
+
+class _Plan:
+    """The index tensors of one shape's exchanges, made once on the device (made per call they were host work and
+    host-to-device copies, each of which waited for the GPU): each rank's heads (sends along the head axis),
+    the row order (token_order) and where each rank's rows are in it (sends along the token axis)."""
+
+    def __init__(self, layout: str, world: int, n: int, q_heads: list[range], kv_heads: list[range], device):
+        self.q_sends = [torch.arange(r.start, r.stop, device=device) for r in q_heads]
+        self.kv_sends = [torch.arange(r.start, r.stop, device=device) for r in kv_heads]
+        self.order = token_order(layout, 0, world, n, device)
+        if self.order is None:
+            at = torch.arange(world * n, device=device)
+        else:  # where each gathered row is in sequence order: the inverse permutation
+            at = torch.empty_like(self.order)
+            at[self.order] = torch.arange(self.order.numel(), device=device)
+        self.token_sends = [at[r * n:(r + 1) * n] for r in range(world)]  # rank r's rows, where they are in the gathered rows
+
+
+def exchange_plan(layout: str, world: int, n: int, q_heads: list[range], kv_heads: list[range], device) -> _Plan:
+    """The exchanges' index tensors for these shapes on `device` (_Plan), made on first use."""
+    key = (layout, world, n, tuple(q_heads), tuple(kv_heads), device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 64:
+            _PLANS.clear()
+        plan = _PLANS[key] = _Plan(layout, world, n, q_heads, kv_heads, device)
+    return plan
+
+
+def to_heads(t: torch.Tensor, heads: list[range], sends: list[torch.Tensor], group, order: torch.Tensor | None) -> torch.Tensor:
+    """A rank's shard t (B, H, n, D) -> the sub-group's rows (B, len(heads[me]), world n, D) of its heads, in sequence
+    order; sends: each rank's heads as index tensors on t's device."""
     me = dist.get_rank(group)
-    sends = [torch.arange(r.start, r.stop, device=t.device) for r in heads]
     shapes = [(t.shape[0], len(heads[me]), t.shape[2], *t.shape[3:]) for _ in heads]
     out = _Exchange.apply(t, group, 1, sends, shapes, 2)
-    return out if order is None else out.index_select(2, order.to(t.device))
+    return out if order is None else out.index_select(2, order)
 
 
-def to_tokens(t: torch.Tensor, heads: list[range], group, order: torch.Tensor | None, n: int) -> torch.Tensor:
+def to_tokens(t: torch.Tensor, heads: list[range], sends: list[torch.Tensor], group, n: int) -> torch.Tensor:
     """The inverse of to_heads: the sub-group's rows of this rank's heads (B, h, world n[, D]) -> this rank's
-    shard (B, H, n[, D]) of every head."""
+    shard (B, H, n[, D]) of every head; sends: where each rank's rows are in t (_Plan.token_sends)."""
     world = len(heads)
-    if order is None:
-        at = torch.arange(world * n, device=t.device)
-    else:  # where each gathered row is in sequence order: the inverse permutation
-        at = torch.empty_like(order)
-        at[order] = torch.arange(order.numel())
-        at = at.to(t.device)
-    sends = [at[r * n:(r + 1) * n] for r in range(world)]  # rank r's rows, where they are in t
     shapes = [(t.shape[0], len(heads[s]), n, *t.shape[3:]) for s in range(world)]
     return _Exchange.apply(t, group, 2, sends, shapes, 1)
 
@@ -217,14 +241,15 @@ def ulysses_forward(kern, q, k, v, inputs: list, names: list[str], axes: dict[st
     hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
     check_head_split(hq, hkv, world)
     q_heads, kv_heads = _ranges(hq, world), kv_head_ranges(hq, hkv, world)
-    order = token_order(layout, me, world, n)
-    qh, kh, vh = to_heads(q, q_heads, group, order), to_heads(k, kv_heads, group, order), to_heads(v, kv_heads, group, order)
+    plan = exchange_plan(layout, world, n, q_heads, kv_heads, q.device)
+    qh = to_heads(q, q_heads, plan.q_sends, group, plan.order)
+    kh, vh = (to_heads(t, kv_heads, plan.kv_sends, group, plan.order) for t in (k, v))
     local = split_inputs(inputs, names, axes, q_heads[me], group)
     if ring_method is None:
         o, lse = kern(qh, kh, vh, return_lse=True, **dict(zip(names, local)))
     else:
         o, lse = ring_method(qh, kh, vh, local)
-    return to_tokens(o, q_heads, group, order, n), to_tokens(lse, q_heads, group, order, n)
+    return to_tokens(o, q_heads, plan.token_sends, group, n), to_tokens(lse, q_heads, plan.token_sends, group, n)
 
 
 _SUBGROUPS: dict = {}  # (group, world, ulysses_size) -> (this rank's Ulysses sub-group, its ring group)
