@@ -193,13 +193,13 @@ def test_offsets_checked_once_are_checked_again_after_an_in_place_change(target,
         _call(kern, device, cu_seqlens_q=cq)
 
 
-@pytest.mark.parametrize("name", ["causal", "key_padding"])
-def test_a_packed_call_like_one_made_before_is_kept(name, target, device):
+def test_a_packed_call_like_one_made_before_is_kept(target, device):
     """Packed calls that give max_seqlen_q/_k are kept by their signature (Kernel._packed_calls): checks and choices
     once, then the passes on views made inside one autograd node. Later calls of the signature on other values are
     exact against each sequence alone and the reference; their offsets are still checked (once per tensor and
-    version), and another max_seqlen or an input that records a gradient is another signature."""
-    kern = attngen.compile(ROOT / "specs" / f"{name}.attn", target)
+    version), and another max_seqlen is another signature. (A kept call with a declared input, the sinks, and
+    their gradient: test_sink.py's test_packed_sequences_give_the_sinks_gradient.)"""
+    kern = attngen.compile(ROOT / "specs" / "causal.attn", target)
     for seed in (0, 1):
         _check_packed(kern, device, seed=seed, max_seqlen=True)
     assert len(kern._packed_calls) == 1
