@@ -33,6 +33,7 @@ is skipped.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -249,6 +250,11 @@ def main():
     for run in args.runs:
         results[run] = train(run, data[:split], data[split:], initial)
     if CP > 1:
+        # the sharded models (kept alive by reference cycles through FSDP's hooks) freed while the process group lives,
+        # then every rank leaves it together: gloo's worker threads must not outlive it holding tensors (at the
+        # interpreter's exit that aborts the process)
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
         if RANK:
             return

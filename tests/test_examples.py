@@ -39,7 +39,8 @@ def _train(tmp_path, name, *extra, processes=1):
     its losses, held-out losses and standard output."""
     out = tmp_path / name
     script = [str(ROOT / "examples" / "train_gpt.py"), "--smoke", "--runs", "attngen", "--heads", "2", "--out", str(out), *extra]
-    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
+    # (--standalone: a free port for the ranks' rendezvous, whatever else runs on the machine)
+    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(launch + script, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
