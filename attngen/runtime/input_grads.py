@@ -67,7 +67,8 @@ def _sums_of_rows(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], rows:
     """reduce_input_grads where the sink alone reads float inputs, each once, at distinct index variables that span
     the input exactly (gpt-oss's sinks[h] of an (H,) input), with a constant slope: each such input's gradient is
     the rows' gradients times the slope, summed over the other axes (one float32 reduction on the rows' device,
-    the same order every run: a few thousand rows a head, far inside the gradient's error budget). None where the reads are not all of that form."""
+    the same order every run: a few thousand rows a head, far inside the gradient's error budget). None where the
+    reads are not all of that form."""
     grads = {}
     sizes = dict(zip(_AXES, rows.shape))
     for read, slope in _sink_slopes(spec):

@@ -67,10 +67,10 @@ class PackedCall:
     and version: packed.longest_sequence) against the signature's longest lengths, then the passes on (1, H,
     total, D) views made inside the call, so autograd records one node (_PackedRun) and no view around it."""
 
-    __slots__ = ("dims", "names", "grad", "max_q", "max_k")
+    __slots__ = ("names", "grad", "max_q", "max_k")
 
-    def __init__(self, dims: Dims, names: list[str], grad: bool, max_q: int, max_k: int):
-        self.dims, self.names, self.grad, self.max_q, self.max_k = dims, names, grad, max_q, max_k
+    def __init__(self, names: list[str], grad: bool, max_q: int, max_k: int):
+        self.names, self.grad, self.max_q, self.max_k = names, grad, max_q, max_k
 
     def run(self, kernel: Kernel, q, k, v, inputs: dict, cu_q, cu_k, checked: bool = False):
         """O (total_q, Hq, Dv) and the lse in log2 units (Hq, total_q). `checked`: the offsets were checked by this call."""
@@ -253,7 +253,7 @@ class Kernel:
         if packed_key is not None and not dims.empty:  # plain packed sequences: kept by their signature (PackedCall)
             if len(self._packed_calls) >= 256:
                 self._packed_calls.clear()
-            kept = self._packed_calls[packed_key] = PackedCall(dims, [d.name for d in self.spec.inputs], grad, varlen[2], varlen[3])
+            kept = self._packed_calls[packed_key] = PackedCall([d.name for d in self.spec.inputs], grad, varlen[2], varlen[3])
             o, lse2 = kept.run(self, *packed, inputs, cu_seqlens_q, cu_seqlens_k, checked=True)
             return (o, lse2 * LN2) if return_lse else o
         if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
