@@ -32,15 +32,18 @@ from .render import context
 #   1.04 / 1.26x); other masks at head_dim 64 are behind at 1024 keys (sliding window 0.91 / 0.99x, prefix-LM 0.91 /
 #   0.94x) and even or ahead from 2048 (0.97 / 1.06x, 1.01 / 0.98x): MASKED_MIN_KEYS; documents at head_dim 128 are
 #   behind at 1024 keys (forward 1.15x, the ordered backward 0.85x: 0.90x the time of both; the unordered backward
-#   1.03x) and ahead from 2048 (1.18 / 1.05x). Block patterns: BLOCK_PATTERN_MEASURED.
+#   1.03x) and ahead from 2048 (1.18 / 1.05x). Since the ordered backward reads its tile classes from the pre-pass's
+#   class words (H200, 2026-11-29; benchmarks/results/h200_document_generators_2026-11-29.json): at 1024 keys the
+#   forward 1.11x, the ordered backward 0.92x, both passes 0.96x; from 4096 1.10-1.11x / 1.22-1.25x. Block patterns:
+#   BLOCK_PATTERN_MEASURED.
 GLUON_MIN_KEYS = {64: 1024}
 MASKED_MIN_KEYS = 2048  # head_dim 64 with a mask other than causal's; documents (tile classes from the inputs) at 128
 MIN_KEYS_MEASURED = ("the Gluon kernels measured 0.80-1.05x the Triton generator's at 256 and 512 keys and 1.01-1.21x from 1024 "
                      "(head_dim 64, H100)")
 MASKED_MIN_KEYS_MEASURED = {64: "with a mask other than causal's at head_dim 64 (sliding window, prefix-LM) the Gluon kernels measured 0.91x "
                                 "the Triton generator's forward and 0.94-0.99x its backward at 1024 keys, 0.97-1.01x and 0.98-1.06x at 2048 (H100)",
-                            128: "with a document mask at head_dim 128 the ordered Gluon backward measured 0.85x the Triton one at 1024 "
-                                 "keys (0.90x the time of both passes), 1.05x at 2048 (H100)"}
+                            128: "with a document mask at head_dim 128 the ordered Gluon backward measured 0.92x the Triton one at 1024 "
+                                 "keys (0.96x the time of both passes; H200), 1.05x at 2048 (H100)"}
 # FP8 at d=128 on the H100 (2026-11-26): the Gluon forward 1.13-1.20x the Triton generator's
 FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
 # Block patterns (sparsity = an expression of q_blk, kv_blk), with the Triton generator's loops skipping the holes
@@ -169,11 +172,12 @@ SPARSE_BACKWARD_MEASURED = "the ordered Gluon backward measured 0.92-1.08x of it
 # Triton generator's, its backward 1.05-1.08x in order and 1.09-1.11x in no order: documents take the Gluon backward
 # at head_dim 128 in both settings, the Triton one below (0.85x at d = 64). The suite of every variant (2026-11-27,
 # see GLUON_MIN_KEYS) found the Gluon forward 0.87-0.92x the Triton one with documents at head_dim 64 (1024-16384
-# keys): there auto takes the Triton generator for both passes.
+# keys): there auto takes the Triton generator for both passes. With the class words (H200, 2026-11-29) the ordered
+# backward measured 1.22-1.25x the Triton one at d = 128 from 4096 keys, and 0.84-0.90x at d = 64 (forward 0.87x).
 BOUNDED_GLUON_HEAD_DIMS = (128,)
 BOUNDED_MEASURED_BELOW = ("with a document mask at head_dim 64 the Gluon forward measured 0.87-0.92x the Triton one and the ordered "
                           "Gluon backward 0.85x on the H100")
-BOUNDED_MEASURED = {True: "dQ in a fixed order, measured 1.05-1.08x the Triton backward with a document mask on the H100",
+BOUNDED_MEASURED = {True: "dQ in a fixed order, measured 1.22-1.25x the Triton backward with a document mask from 4096 keys on the H200",
                     False: "dQ in no fixed order, measured 1.09-1.11x the Triton backward with a document mask on the H100"}
 
 
