@@ -71,6 +71,7 @@ def context(gp: GluonPlan) -> dict:
             helpers |= tile_class.helpers
             tile_class = type(tile_class)([translate(s) for s in tile_class.stmts], translate(tile_class.may_drop),
                                           translate(tile_class.may_keep), tile_class.helpers, tile_class.params, tile_class.bounds)
+    class_bits = bool(tile_class and tile_class.bounds) and not gp.class_piece and spec.sparsity != "runtime"
     return {
         "name": spec.name,
         "spec_hash": plan.spec_hash,
@@ -120,6 +121,11 @@ def context(gp: GluonPlan) -> dict:
         "tile_chunk": TILE_CHUNK,
         # the pre-pass summaries: (index of the input among the declared ones, axis), in the order of the parameters
         "bounds": [(names.index(bnd.input), bnd.axis, bnd.param) for bnd in tile_class.bounds] if tile_class else [],
+        # the backward's tile classes read those summaries (global loads): its partitions keep the classes of a range's
+        # first CLASS_BITS tiles as bits (class_bits); with dQ in a fixed order the pre-pass, which classifies every
+        # pair to count the ranks, writes each pair's class word and the partitions read it (class_words)
+        "class_bits": class_bits,
+        "class_words": class_bits and spec.deterministic,
         "skip_empty": gp.skip_empty and tile_class is not None,  # the forward skips the holes of a block pattern
         "persistent": gp.persistent,  # the forward: a program per SM taking work items (plan.py)
         "inputs": [_Input(i.name, i.dtype, len(i.dims)) for i in spec.inputs],
