@@ -124,7 +124,7 @@ def test_a_call_matches_the_reference_of_the_dequantized_inputs(granularity):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("spec,granularity", [(CAUSAL, "block"), (CAUSAL, "head"), (ALIBI, "block")])
+@pytest.mark.parametrize("spec,granularity", [(CAUSAL, "block"), (CAUSAL, "head"), (CAUSAL, "tensor"), (ALIBI, "block")])
 def test_the_fp8_kernel_applies_its_descale_factors(spec, granularity):
     """The FP8 kernel itself in the interpreter: its lse is the reference's (Q's and K's factors, per block or per
     head, the mask and ALiBi's score), and doubling V's factor doubles O exactly (rounding P to e4m3 is where the
@@ -171,6 +171,29 @@ def test_the_reference_models_the_rounding_of_p():
     assert 1e-4 < err < 0.1  # e4m3's 3 mantissa bits: a visible but bounded error
 
 
+@pytest.mark.interpreter
+def test_fp8_calls_are_kept_by_signature():
+    """A second FP8 call of one signature (tensors' shapes, strides, types; the factors' shapes) skips the checks and
+    reuses the factors' layouts: new values give the reference's O; a factor of another shape or type is checked
+    again (and refused here)."""
+    kern = attngen.compile(CAUSAL, "h100")
+    (q8, k8, v8), scales = _quantized("head")
+    with torch.no_grad():
+        kern(q8, k8, v8, **scales)
+        assert len(kern._fp8_calls) == 1
+        gen = torch.Generator().manual_seed(3)
+        other = [fp8.quantize(torch.randn(B, h, N, D, generator=gen) * 3, "head", kv_heads=HKV) for h in (HQ, HKV, HKV)]
+        (q2, qd), (k2, kd), (v2, vd) = other
+        o = kern(q2, k2, v2, q_descale=qd, k_descale=kd, v_descale=vd)
+        assert len(kern._fp8_calls) == 1 and not torch.isnan(o).any()
+        ref = attngen.reference(kern, q2, k2, v2, q_descale=qd, k_descale=kd, v_descale=vd)
+        assert (o.double() - ref).abs().max() <= 2**-8 * ref.abs().max() + 1e-6
+        with pytest.raises(InputError, match=r"q_descale has shape \(2, 4, 5\)"):
+            kern(q2, k2, v2, q_descale=torch.ones(B, HQ, 5), k_descale=kd, v_descale=vd)
+        with pytest.raises(InputError, match="float32"):
+            kern(q2, k2, v2, q_descale=qd.double(), k_descale=kd, v_descale=vd)
+
+
 def test_what_an_fp8_call_refuses():
     kern = attngen.compile(CAUSAL, "h100")
     (q8, k8, v8), scales = _quantized()
@@ -198,7 +221,7 @@ def test_plan_and_generator_choice():
     choice = choose(wide, plan(wide, "h100"))
     assert choice.generator == "gluon" and "FP8 forward measured" in choice.reason and choice.backward == "triton"
     src = attngen.compile(CAUSAL, "h100").source
-    assert "DESCALE_BLOCK = tl.constexpr(128)" in src and "k_descale = tl.load(k_descales + start_n // DESCALE_BLOCK)" in src
+    assert "DESCALE_BLOCK = tl.constexpr(128)" in src and "k_descale = tl.load(k_descales + (start_n // DESCALE_BLOCK) * stride_kd_blk)" in src
     assert "s = qk * (qk_scale * k_descale)" in src  # one multiply per score
     assert "def keys_contiguous(" in src and "acc = acc * v_descale" in src
 

@@ -28,7 +28,7 @@ from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .dtypes import TORCH_DTYPES
 from .evaluate import sink_rows
-from .fp8 import dequantize, fp8_call
+from .fp8 import dequantize, fp8_call, fp8_signature
 from .input_grads import LOG2E, reduce_input_grads, row_delta, sink_share_grads, unpacked_rows
 from .layout import empty_like_layout
 from .loader import check_device, interpreted_if_cpu, is_sm90
@@ -127,6 +127,10 @@ class Kernel:
         # plain packed calls (cu_seqlens with max_seqlen, the declared inputs, nothing else) by signature
         # (signature.packed_signature): PackedCall; None where plain calls are
         self._packed_calls: dict[tuple, PackedCall] | None = None if self._plain_calls is None else {}
+        # FP8 calls (q, k, v, the declared inputs and the descale factors, no other option) by signature
+        # (fp8.fp8_signature): fp8.FP8Call; None for a spec of another dtype or whose calls take options
+        self._fp8_calls: dict[tuple, object] | None = (
+            {} if spec.dtype is DType.FP8 and spec.dropout == 0.0 and spec.sparsity != "runtime" else None)
         self._op_forwards: dict[tuple, object] = {}  # the same for the forwards of torch.compile's operator: _op_forward
         # serving calls by signature (serving.serving_signature): serving.ServingCall; None where the spec takes FP8
         # caches (their descale factors vary by call) or options the decode kernels refuse
@@ -178,9 +182,10 @@ class Kernel:
         k_descale, v_descale (default 1; shapes in attngen.fp8, which also quantizes); O in bf16.
 
         Eager calls go through a torch.autograd.Function; under torch.compile the same work is a pair of operators
-        (forward, backward) named after the kernel, so a compiled model calls it with no graph break. A plain or
-        serving call with the signature of one made before (each tensor's shape, strides, dtype, device and
-        alignment; whether it records a gradient) skips the checks and choices that one passed (signature.py)."""
+        (forward, backward) named after the kernel, so a compiled model calls it with no graph break. A plain,
+        packed, serving or FP8 call with the signature of one made before (each tensor's shape, strides, dtype,
+        device and alignment; whether it records a gradient) skips the checks and choices that one passed
+        (signature.py)."""
         compiling = torch.compiler.is_compiling()
         key = None
         if ((kv_lens is not None or block_table is not None) and self._serving_calls is not None and not compiling and dropout_p is None
@@ -218,8 +223,20 @@ class Kernel:
                 o, lse2 = kept.run(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k)
                 return (o, lse2 * LN2) if return_lse else o
         if self.spec.dtype is DType.FP8 or (self.spec.kv_dtype is None and (q_descale is not None or k_descale is not None or v_descale is not None)):
-            o, lse2 = fp8_call(self, q, k, v, inputs, (q_descale, k_descale, v_descale), dropout_p, seed, block_mask, compiling,
-                               any(t is not None for t in (kv_lens, q_lens, block_table, cu_seqlens_q, cu_seqlens_k)))
+            descales, fp8_key = (q_descale, k_descale, v_descale), None
+            if (self._fp8_calls is not None and not compiling and dropout_p is None and seed is None and block_mask is None and cu_seqlens_q is None
+                    and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None and kv_lens is None and q_lens is None
+                    and block_table is None):
+                try:
+                    fp8_key = fp8_signature(q, k, v, inputs, descales)
+                except AttributeError:  # not tensors: the checks say which
+                    fp8_key = None
+                kept = self._fp8_calls.get(fp8_key)
+                if kept is not None:  # an FP8 call like one made before: its checks passed, its factors' layouts known
+                    o, lse2 = kept.run(self, q, k, v, inputs, descales)
+                    return (o, lse2 * LN2) if return_lse else o
+            o, lse2 = fp8_call(self, q, k, v, inputs, descales, dropout_p, seed, block_mask, compiling,
+                               any(t is not None for t in (kv_lens, q_lens, block_table, cu_seqlens_q, cu_seqlens_k)), fp8_key)
             return (o, lse2 * LN2) if return_lse else o
         varlen = None
         if (kv_lens is not None or q_lens is not None or block_table is not None or self.spec.kv_layout is KVLayout.PAGED
