@@ -403,7 +403,7 @@ def _generators(spec: Spec, kernel, compile_spec) -> tuple:
 
     gen = kernel.generator
     try:
-        ours = (gen.generator, gen.backward) == ("gluon", "gluon") and not gen.min_keys
+        ours = (gen.generator, gen.backward) == ("gluon", "gluon") and not gen.min_keys and not gen.bwd_min_keys
         gluon = None if ours else compile_spec(spec, backend="gluon", deterministic=False)
     except PlanError:
         gluon = None

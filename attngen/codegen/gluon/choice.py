@@ -34,8 +34,10 @@ from .render import context
 #   behind at 1024 keys (forward 1.15x, the ordered backward 0.85x: 0.90x the time of both; the unordered backward
 #   1.03x) and ahead from 2048 (1.18 / 1.05x). Since the ordered backward reads its tile classes from the pre-pass's
 #   class words (H200, 2026-11-29; benchmarks/results/h200_document_generators_2026-11-29.json): at 1024 keys the
-#   forward 1.11x, the ordered backward 0.92x, both passes 0.96x; from 4096 1.10-1.11x / 1.22-1.25x. Block patterns:
-#   BLOCK_PATTERN_MEASURED.
+#   forward 1.11x, the ordered backward 0.92x, both passes 0.96x; from 4096 1.10-1.11x / 1.22-1.25x. So documents at
+#   128 take the Gluon forward at every length and its backward from MASKED_MIN_KEYS (_bwd_min_keys): at 1024 keys the
+#   Gluon forward with the Triton backward takes 0.98x the time of the Triton generator's two passes in that run.
+#   Block patterns: BLOCK_PATTERN_MEASURED.
 GLUON_MIN_KEYS = {64: 1024}
 MASKED_MIN_KEYS = 2048  # head_dim 64 with a mask other than causal's; documents (tile classes from the inputs) at 128
 MIN_KEYS_MEASURED = ("the Gluon kernels measured 0.80-1.05x the Triton generator's at 256 and 512 keys and 1.01-1.21x from 1024 "
@@ -43,7 +45,7 @@ MIN_KEYS_MEASURED = ("the Gluon kernels measured 0.80-1.05x the Triton generator
 MASKED_MIN_KEYS_MEASURED = {64: "with a mask other than causal's at head_dim 64 (sliding window, prefix-LM) the Gluon kernels measured 0.91x "
                                 "the Triton generator's forward and 0.94-0.99x its backward at 1024 keys, 0.97-1.01x and 0.98-1.06x at 2048 (H100)",
                             128: "with a document mask at head_dim 128 the ordered Gluon backward measured 0.92x the Triton one at 1024 "
-                                 "keys (0.96x the time of both passes; H200), 1.05x at 2048 (H100)"}
+                                 "keys (H200), 1.05x at 2048 (H100), where its forward measured 1.11x (H200)"}
 # FP8 at d=128 on the H100 (2026-11-26): the Gluon forward 1.13-1.20x the Triton generator's
 FP8_MEASURED = "the Gluon FP8 forward measured 1.13-1.20x the Triton generator's on the H100"
 # Block patterns (sparsity = an expression of q_blk, kv_blk), with the Triton generator's loops skipping the holes
@@ -76,14 +78,17 @@ class Choice:
     backward_reason: str = ""
     min_keys: int = 0  # calls with fewer keys (the longest sequence's) take the Triton generator for both passes
     min_keys_reason: str = MIN_KEYS_MEASURED
+    bwd_min_keys: int = 0  # calls with fewer keys take the Triton generator's backward (the forward as above)
+    bwd_min_keys_reason: str = ""
 
     def forward_at(self, kv_len: int) -> str:
         """The generator of the forward of a call with kv_len keys (packed sequences: the longest)."""
         return "triton" if kv_len < self.min_keys else self.generator
 
     def backward_at(self, kv_len: int) -> str:
-        """The generator of the backward of a call with kv_len keys."""
-        return "triton" if kv_len < self.min_keys else self.backward
+        """The generator of the backward of a call with kv_len keys (the Triton backward reads a Gluon forward's O
+        and lse as its own: both keep the lse in log2 units, O laid out as q)."""
+        return "triton" if kv_len < self.min_keys or kv_len < self.bwd_min_keys else self.backward
 
     def describe(self) -> str:
         """`attngen plan`'s line: which generator renders each pass, and why."""
@@ -92,6 +97,8 @@ class Choice:
             line += f"; {self.backward} backward ({self.backward_reason})"
         if self.min_keys:
             line += f"; calls with fewer than {self.min_keys} keys take the Triton generator for both passes ({self.min_keys_reason})"
+        if self.bwd_min_keys:
+            line += f"; calls with fewer than {self.bwd_min_keys} keys take the Triton generator's backward ({self.bwd_min_keys_reason})"
         return line
 
 
@@ -132,23 +139,31 @@ def choose(spec: Spec, base: KernelPlan, backend: Backend | None = None) -> Choi
         return Choice("triton", f"auto, tile classes from the inputs' per-chunk bounds at head_dim {spec.head_dim}: the Triton generator "
                                 f"({BOUNDED_MEASURED_BELOW}); backend = gluon takes the Gluon one anyway")
     min_keys, why = _min_keys(spec, gp) if backend is Backend.AUTO else (0, "")
+    bwd_min_keys, bwd_why = (0, "") if min_keys else _bwd_min_keys(spec, gp) if backend is Backend.AUTO else (0, "")
     return Choice("gluon", f"backend = {backend.value}: sm_{ARCH}, every feature of the spec is supported", gp,
-                  *_choose_backward(spec, backend, gp.classes_read_inputs), min_keys=min_keys, min_keys_reason=why)
+                  *_choose_backward(spec, backend, gp.classes_read_inputs), min_keys=min_keys, min_keys_reason=why,
+                  bwd_min_keys=bwd_min_keys, bwd_min_keys_reason=bwd_why)
 
 
 def _min_keys(spec: Spec, gp: GluonPlan) -> tuple[int, str]:
     """Under auto, the calls (by their keys) below which the Triton generator runs both passes, and why: at head_dim
-    64, 1024 keys for no mask or the causal mask, MASKED_MIN_KEYS for other masks; documents at head_dim 128 with dQ
-    in a fixed order, MASKED_MIN_KEYS (the unordered backward measured 1.03x the Triton one at 1024 keys); else none."""
+    64, 1024 keys for no mask or the causal mask, MASKED_MIN_KEYS for other masks; else none."""
     if spec.head_dim == 64:
         if spec.sink is not None:  # (other masks: slower_than_triton)
             return SINK_MIN_KEYS, SINK_MEASURED
         if gp.base.mask is None or gp.base.mask == CAUSAL:  # (the mask with a block pattern's)
             return GLUON_MIN_KEYS[64], MIN_KEYS_MEASURED
         return MASKED_MIN_KEYS, MASKED_MIN_KEYS_MEASURED[64]
+    return GLUON_MIN_KEYS.get(spec.head_dim, 0), MIN_KEYS_MEASURED
+
+
+def _bwd_min_keys(spec: Spec, gp: GluonPlan) -> tuple[int, str]:
+    """Under auto, the calls below which the Triton generator runs the backward while the Gluon forward stays, and
+    why: documents at head_dim 128 with dQ in a fixed order, MASKED_MIN_KEYS (the unordered backward measured 1.03x
+    the Triton one at 1024 keys: none); else none."""
     if gp.classes_read_inputs and spec.head_dim == 128 and spec.deterministic:
         return MASKED_MIN_KEYS, MASKED_MIN_KEYS_MEASURED[128]
-    return GLUON_MIN_KEYS.get(spec.head_dim, 0), MIN_KEYS_MEASURED
+    return 0, ""
 
 
 # The Gluon backward against the Triton generator's on the H100 (benchmarks/backward_choice.py: through autograd, the
