@@ -25,7 +25,8 @@ from ..runtime.checks import Dims, check_call, check_direct_indices, dropout_arg
 from ..runtime.evaluate import sink_rows
 from ..runtime.input_grads import LOG2E, reduce_input_grads, row_delta, sink_share_grads
 from ..runtime.kernel import LN2
-from ..runtime.shard import shard_backward, shard_forward
+from ..runtime.loader import interpreted_if_cpu
+from ..runtime.shard import shard_backward, shard_forward, shard_kernel
 from .layout import Chunk, _group_shape, check_layout, chunks
 from .ulysses import check_method, head_split_axes, hybrid_groups, ulysses_forward
 
@@ -192,9 +193,9 @@ class _Run:
             for i, j, positions in pairs:
                 o, lse = shard_forward(self.kern, qs[i], kv[j], kv[count + j], self.inputs, self.dropout_p, self.seed, positions)
                 if o_acc[i] is None:  # the first part of these rows: taken as it is
-                    o_acc[i], lse_acc[i] = o.float(), lse
+                    o_acc[i], lse_acc[i] = o.float().contiguous(), lse.contiguous()
                 else:
-                    _merge(o_acc[i], lse_acc[i], o, lse)
+                    _merge(self.kern, o_acc[i], lse_acc[i], o, lse)
             if transfer is not None:
                 kv = transfer.wait()
         for i, c in enumerate(self.mine):  # rows that no key chunk reaches: O = 0, lse = -inf
@@ -204,7 +205,7 @@ class _Run:
         if self.kern.spec.sink is not None:  # one more term of each merged row's softmax, with no value
             sink = self._sink(q.shape[0], q.shape[1], q.device)
             for i, c in enumerate(self.mine):
-                _merge(o_acc[i], lse_acc[i], torch.zeros_like(o_acc[i]), sink[:, :, _positions(c)])
+                _merge(self.kern, o_acc[i], lse_acc[i], None, sink[:, :, _positions(c)])
         return torch.cat(o_acc, 2).to(q.dtype), torch.cat(lse_acc, 2)
 
     def _sink(self, batch: int, heads: int, device) -> torch.Tensor:
@@ -325,14 +326,13 @@ def _positions(c: Chunk) -> slice:
     return slice(c.start, c.start + c.length)
 
 
-def _merge(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """o_acc, lse_acc (float32, updated in place) := the softmax merge of two partial results over disjoint keys
-    (log2 units): lse = log2(2^lse_acc + 2^lse), O = the two O's weighted by 2^(lse_i - lse). Rows with no key
-    in either (-inf) stay O = 0, lse = -inf."""
-    new = torch.logaddexp2(lse_acc, lse)
-    safe = torch.where(new == float("-inf"), 0.0, new)
-    o_acc.mul_(torch.exp2(lse_acc - safe).unsqueeze(-1)).addcmul_(o, torch.exp2(lse - safe).unsqueeze(-1))
-    lse_acc.copy_(new)
+def _merge(kern: Kernel, o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor | None, lse: torch.Tensor) -> None:
+    """o_acc, lse_acc (float32, contiguous, updated in place) := the softmax merge of two partial results over
+    disjoint keys (log2 units): lse = log2(2^lse_acc + 2^lse), O = the two O's weighted by 2^(lse_i - lse); o None:
+    a term with no value (a sink). Rows with no key in either (-inf) stay O = 0, lse = -inf. One pass of the shard
+    kernels' merge (attention_merge), one pass over O."""
+    with interpreted_if_cpu(o_acc.device):
+        shard_kernel(kern).module.attention_merge(o_acc, lse_acc, None if o is None else o.contiguous(), lse.contiguous())
 
 
 class _RingAttention(torch.autograd.Function):
