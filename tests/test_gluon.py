@@ -956,6 +956,53 @@ def test_gluon_dropout_draws_the_pattern_of_dropout_mask(head_dim, device):
         assert torch.equal(got_t, want_t[..., :d].int() + 2 * want_t[..., d:].int()), seed
 
 
+def test_a_replayed_backward_keeps_its_buffers_per_stream(device):
+    """The Gluon backward replayed by signature keeps what only its launches read (the pre-pass's results, dQ's
+    float32 sum, the order of dQ's additions) in the stream's scratch memory: two signatures taking turns on one
+    stream, a side stream and a CUDA graph give the first calls' gradients bit for bit, within budget of the
+    float64 reference. On the CPU: the scratch layout (each buffer at a 256-byte boundary, none overlapping)."""
+    from attngen.runtime.counters import stream_carve
+
+    layout = (((2, 3, 5), (15, 5, 1), torch.float32), ((7,), (1,), torch.int32), ((4, 9), (9, 1), torch.bfloat16))
+    carved = stream_carve("test layout", torch.device("cpu"), layout)
+    assert [(tuple(t.shape), t.stride(), t.dtype) for t in carved] == [(s, st, d) for s, st, d in layout]
+    starts = [t.data_ptr() for t in carved]
+    assert all(a % 256 == starts[0] % 256 for a in starts) and starts == sorted(starts)
+    assert all(a + t.numel() * t.element_size() <= b for a, t, b in zip(starts, carved, starts[1:]))
+    if device != "cuda":
+        pytest.skip("Gluon kernels run on an sm_90 GPU only (Triton's interpreter does not run Gluon)")
+    kern = attngen.compile(_spec("causal"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = ((1, 4, 512), (2, 2, 384))
+    data = [[torch.randn(b, h, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(i < 3) for i in range(4)]
+            for b, h, n in shapes]
+
+    def grads(q, k, v, do):
+        return torch.autograd.grad(kern(q, k, v), (q, k, v), do)
+    first = [grads(*d) for d in data]
+    for _ in range(2):  # the two signatures in turn, each replayed
+        assert all(all(torch.equal(a, b) for a, b in zip(grads(*d), f)) for d, f in zip(data, first))
+    main_stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(main_stream)
+    with torch.cuda.stream(side):
+        on_side = [grads(*d) for d in data]
+    main_stream.wait_stream(side)
+    assert all(all(torch.equal(a, b) for a, b in zip(g, f)) for g, f in zip(on_side, first))
+    q, k, v, do = data[0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grads(q, k, v, do)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, first[0]))
+    for d, f in zip(data, first):
+        q, k, v, do = (t.detach().double() for t in d)
+        ref = torch.autograd.grad(attngen.reference(kern.spec, *(t.requires_grad_() for t in (q, k, v)), dtype=torch.float64),
+                                  (q, k, v), do)
+        for g, r in zip(f, ref):
+            assert not g.isnan().any() and (g.double() - r).abs().max() <= 2e-2 * max(1.0, r.abs().max().item())
+
+
 def test_a_replayed_persistent_forward_keeps_a_counter_per_stream(device):
     """A plain call of the persistent forward (1024 keys) replayed on the default stream, on a side stream and from
     a CUDA graph gives the first call's O bit for bit, within budget of the float64 reference; every stream's

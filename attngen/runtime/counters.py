@@ -1,6 +1,7 @@
 """Buffers that kernels share across launches on one stream: counters, zero before a launch and put back to zero
 by the launch itself (the persistent forward's ticket counter, the decode kernel's count of arrived splits), and
-scratch memory that a launch writes and reads back itself (the decode kernel's partial results).
+scratch memory that a call's launches write and read back themselves (the decode kernel's partial results, the
+Gluon backward's pre-pass results and dQ's float32 sum).
 
 The launches on one stream run one after another, so they can share these; launches on other streams, which may
 run at the same time, get their own. Two CUDA graphs captured on one stream share its buffers too: replay them on
@@ -27,6 +28,20 @@ def stream_scratch(name: str, device: torch.device, size: int) -> torch.Tensor:
     """At least `size` float32 elements of scratch memory named `name` for `device`'s current stream, for a launch
     that writes them and reads them back itself (never holding anything between launches)."""
     return _stream_buffer(name, device, size, torch.float32, torch.empty)
+
+
+def stream_carve(name: str, device: torch.device, layout: tuple) -> list[torch.Tensor]:
+    """Tensors of `layout` ((size, strides, element type) each), one after another in the scratch memory `name` of
+    `device`'s current stream (stream_scratch), each at a 256-byte boundary: for a call's launches on that stream
+    that write them and read them back, holding nothing once the call's work is queued."""
+    places, total = [], 0
+    for size, strides, dtype in layout:
+        extent = 1 + sum((n - 1) * s for n, s in zip(size, strides)) if all(size) else 0
+        words = -(-extent * dtype.itemsize // 4)  # float32 elements of scratch
+        places.append((total, words))
+        total += -(-words // 64) * 64
+    buffer = stream_scratch(name, device, max(total, 1))
+    return [buffer[at:at + words].view(dtype).as_strided(size, strides) for (at, words), (size, strides, dtype) in zip(places, layout)]
 
 
 def stream_of(device: torch.device) -> int:
