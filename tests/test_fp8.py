@@ -194,6 +194,54 @@ def test_fp8_calls_are_kept_by_signature():
             kern(q2, k2, v2, q_descale=qd.double(), k_descale=kd, v_descale=vd)
 
 
+def test_a_gluon_fp8_call_like_one_before_replays_its_launches(monkeypatch):
+    """The Gluon FP8 forward keeps its launches' arguments per signature (q, k, v and the descale factors'): on the
+    CPU, with the kernels swapped for recorders, a call like one made before launches V's keys-contiguous copy and
+    the forward with exactly the arguments keys_contiguous and launch_args give for its own tensors (V's copy new,
+    read where the fresh call's view of it starts); factors of another layout make a new signature."""
+    g = attngen.compile(CAUSAL.replace("head_dim = 64", "head_dim = 128"), "h100").gluon
+
+    class Recorder:
+        def __init__(self):
+            self.launches = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+    recorders = {name: Recorder() for name in ("_attn_fwd", "_keys_contiguous")}
+    for name, recorder in recorders.items():
+        monkeypatch.setitem(vars(g), name, recorder)  # the Launchers look the kernel up in the module on every call
+    monkeypatch.setattr(g, "_FORWARD_CALLS", {})
+    made, full = [], g.launch_args
+    monkeypatch.setattr(g, "launch_args", lambda *a, **k: made.append("launch_args") or full(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    for granularity, calls in (("head", 2), ("block", 2)):
+        for call in range(calls):
+            q, k, v = (torch.randn(B, h, N, 128, generator=gen).to(torch.float8_e4m3fn) for h in (HQ, HKV, HKV))
+            factors = (torch.rand(B, HKV) + 0.5, torch.rand(B, HKV) + 0.5, torch.rand(B, HKV) + 0.5)
+            if granularity == "block":
+                factors = (torch.rand(B, HQ, 3) + 0.5, torch.rand(B, HKV, 3) + 0.5, factors[2])
+            descales = tuple(fp8.descale_blocks(name, f, B, heads, HKV, N, "cpu", name != "v_descale")
+                             for name, f, heads in zip(("q_descale", "k_descale", "v_descale"), factors, (HQ, HKV, HKV)))
+            made.clear()
+            o, lse = g.attention_forward(q, k, v, descales=descales)
+            assert made == ([] if call else ["launch_args"]), (granularity, call)
+            (_, copy_args, _), (grid, args, kwargs) = recorders["_keys_contiguous"].launches[-1], recorders["_attn_fwd"].launches[-1]
+            v_t = copy_args[1]
+            assert copy_args[0] is v and v_t.shape == (B, HKV, 128, 304) and args[4] is o and args[5] is lse
+            expected = full(q, k, v_t, o, lse, descales=descales)
+            assert len(args) == len(expected) and grid == g.grid(N, B, HQ, q.device) and kwargs == g._FORWARD.options
+            for i, (a, b) in enumerate(zip(args, expected)):
+                if isinstance(b, torch.Tensor):
+                    assert a is b, (granularity, call, i)
+                elif hasattr(b, "block_shape"):  # a descriptor: over the same memory, alike
+                    assert a.base.data_ptr() == b.base.data_ptr() and a.base.dtype == b.base.dtype, (granularity, call, i)
+                    assert [list(a.shape), list(a.strides), list(a.block_shape), a.layout, a.padding] == \
+                        [list(b.shape), list(b.strides), list(b.block_shape), b.layout, b.padding], (granularity, call, i)
+                else:
+                    assert type(a) is type(b) and a == b, (granularity, call, i, a, b)
+    assert len(g._FORWARD_CALLS) == 2
+
+
 def test_what_an_fp8_call_refuses():
     kern = attngen.compile(CAUSAL, "h100")
     (q8, k8, v8), scales = _quantized()
@@ -265,20 +313,22 @@ def _gpu_only(device):
 @pytest.mark.parametrize("granularity", ["block", "head"])
 def test_fp8_kernels_on_the_gpu_against_float64(name, granularity, device):
     """Each FP8 forward (the Gluon one at head_dim 128, the Triton one at 64) with grouped-query heads and a length
-    no tile divides, against float64 attention of the dequantized inputs: O within twice the error of the naive
-    model of its rounding (float64 attention with P rounded to e4m3, attngen.reference(fp8_p=True)) plus 1 % of
-    O's largest entry (bf16's rounding), the lse within 2e-3 of its largest entry (Hopper's FP8 products accumulate
-    with fewer bits than float32), no NaN."""
+    no tile divides, twice (the second call of the signature replays the first one's launches), against float64
+    attention of the dequantized inputs: O within twice the error of the naive model of its rounding (float64
+    attention with P rounded to e4m3, attngen.reference(fp8_p=True)) plus 1 % of O's largest entry (bf16's
+    rounding), the lse within 2e-3 of its largest entry (Hopper's FP8 products accumulate with fewer bits than
+    float32), no NaN."""
     _gpu_only(device)
     kern = attngen.compile(GPU_SPECS[name])
     assert kern.generator.generator == ("gluon" if "Gluon" in name else "triton")
-    o, lse, ref, ref_lse, naive = verify.fp8_case(kern, (2, 8, 2, 1000, 1000), device, seed=5, granularity=granularity)
-    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
-    err, naive_err = (o.double() - ref).abs().max().item(), (naive - ref).abs().max().item()
-    assert err <= 2 * naive_err + 1e-2 * ref.abs().max().item(), (err, naive_err)
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(finite, torch.isfinite(lse))
-    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= 2e-3 * ref_lse[finite].abs().max().item()
+    for seed in (5, 6):  # the second call, of the same signature, replays the first one's launches
+        o, lse, ref, ref_lse, naive = verify.fp8_case(kern, (2, 8, 2, 1000, 1000), device, seed=seed, granularity=granularity)
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        err, naive_err = (o.double() - ref).abs().max().item(), (naive - ref).abs().max().item()
+        assert err <= 2 * naive_err + 1e-2 * ref.abs().max().item(), (err, naive_err)
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= 2e-3 * ref_lse[finite].abs().max().item()
 
 
 def test_outliers_with_blocks_and_the_rotation_on_the_gpu(device):
