@@ -329,8 +329,8 @@ def _positions(c: Chunk) -> slice:
 def _merge(kern: Kernel, o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor | None, lse: torch.Tensor) -> None:
     """o_acc, lse_acc (float32, contiguous, updated in place) := the softmax merge of two partial results over
     disjoint keys (log2 units): lse = log2(2^lse_acc + 2^lse), O = the two O's weighted by 2^(lse_i - lse); o None:
-    a term with no value (a sink). Rows with no key in either (-inf) stay O = 0, lse = -inf. One pass of the shard
-    kernels' merge (attention_merge), one pass over O."""
+    a term with no value (a sink). Rows with no key in either (-inf) stay O = 0, lse = -inf. The shard kernels'
+    merge (attention_merge): one pass over O."""
     with interpreted_if_cpu(o_acc.device):
         shard_kernel(kern).module.attention_merge(o_acc, lse_acc, None if o is None else o.contiguous(), lse.contiguous())
 
