@@ -4,6 +4,7 @@ and the float64 reference with the error budget of attngen.verify; reruns (RERUN
 dropout) and a sink evaluated at positions in the whole sequence, the sink's input's gradient summed over the ranks. Shapes that cannot be split are refused with a clear error.
 On the GPU, benchmarks/context_parallel.py runs the same comparison over NCCL (BENCHMARKS.md)."""
 import multiprocessing
+import os
 import traceback
 
 import pytest
@@ -47,8 +48,8 @@ CASES = [("causal", "zigzag"), ("window", "zigzag"), ("document", "zigzag"), ("a
          ("dense_bf16", "zigzag"), ("lengths", "contiguous"), ("value_dim", "zigzag"), ("sink", "zigzag")]
 
 
-# the cases run twice, to compare bits: both layouts, an input read by the mask, dropout's pattern
-RERUN = {("causal", "zigzag"), ("document", "zigzag"), ("dropout", "contiguous"), ("causal", "zigzag", "hybrid")}
+# the cases run twice, to compare bits: the ring with dropout's pattern (contiguous layout), and hybrid (zigzag)
+RERUN = {("dropout", "contiguous"), ("causal", "zigzag", "hybrid")}
 # Ulysses and hybrid (2 x 2 with four ranks): (spec, layout, method). ALiBi's slopes get gradients through Ulysses;
 # with four ranks the two key/value heads each go to two ranks (their gradients summed), a sink's input too
 METHOD_CASES = {2: [("alibi", "contiguous", "ulysses")],
@@ -89,6 +90,10 @@ def _worker(rank, world, init, out, cases):
 
     import attngen.distributed  # noqa: F401 (attngen.distributed below)
 
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from interpreter_patches import skip_repeated_patches
+
+        skip_repeated_patches()  # as conftest.py does in the test process
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     results = {}
     try:

@@ -1,0 +1,48 @@
+"""Triton's interpreter, made faster for the test suite without changing what it computes.
+
+Triton 3.6's interpreter re-patches triton.language at every call of a @triton.jit helper from inside a kernel
+(`InterpretedFunction.__call__` -> `_patch_lang`: `inspect.getmembers` over tl, tl.tensor and tl.math, then a new
+wrapper for each builtin), about 0.4 ms a call on CI's machine: an eighth of a dropout test's time. The patches it
+makes are the same at every call (they depend only on which of tl / tl.core the helper's module sees, and bind
+the one interpreter builder), so within one launch a helper call whose modules are patched already skips it.
+The launch itself (`GridExecutor.__call__`) still patches and restores as before."""
+from __future__ import annotations
+
+import inspect
+
+
+def skip_repeated_patches() -> bool:
+    """Install the shortcut if the interpreter is the one it was written for; True if installed."""
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if triton.__version__ != "3.6.0" or getattr(interpreter, "_attngen_tests_patched", False):
+        return False
+    original_patch = interpreter._patch_lang
+    original_launch = interpreter.GridExecutor.__call__
+    patched: list[set] = []  # per launch in progress (innermost last): the language modules patched by it
+
+    def langs_of(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def patch_lang(fn):
+        langs = langs_of(fn)
+        if patched and langs <= patched[-1]:
+            return interpreter._LangPatchScope()  # nothing to do: this launch patched these modules already
+        scope = original_patch(fn)
+        if patched:
+            patched[-1].update(langs)
+        return scope
+
+    def launch(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return original_launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch
+    interpreter._attngen_tests_patched = True
+    return True
