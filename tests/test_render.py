@@ -102,7 +102,8 @@ def test_templates_are_found():
 def test_a_shards_kernels_see_positions_in_the_whole_sequence():
     """KernelPlan.global_positions (context parallelism): the row and key indices the expressions and the tile
     classes see are offset to positions in the whole sequence, whose lengths replace the call's in the
-    expressions; the bounds of the call's own rows stay local; the plain kernels have none of it."""
+    expressions; the bounds of the call's own rows stay local; the query head they and dropout's pattern see is
+    offset to its index in the whole tensor (head-parallel methods); the plain kernels have none of it."""
     import dataclasses
 
     from attngen.codegen.gluon import plan_gluon
@@ -116,8 +117,8 @@ def test_a_shards_kernels_see_positions_in_the_whole_sequence():
     assert dataclasses.replace(causal, global_positions=True).may_mask_rows
     compile(render(shard), "t", "exec")
     src = _training(render(shard))
-    for line in ("q_idx = offs_m[:, None] + q_offset", "kv_idx = offs_n[None, :] + kv_offset", "q_offset, kv_offset, seq_q_len, seq_kv_len,",
-                 "full, empty = _tile_class(row_lo + q_offset, row_hi + q_offset, start + kv_offset, end + kv_offset, b, h, seq_q_len, seq_kv_len)",
+    for line in ("q_idx = offs_m[:, None] + q_offset", "kv_idx = offs_n[None, :] + kv_offset", "q_offset, kv_offset, seq_q_len, seq_kv_len, h_offset, seq_heads,",
+                 "full, empty = _tile_class(row_lo + q_offset, row_hi + q_offset, start + kv_offset, end + kv_offset, b, h + h_offset, seq_q_len, seq_kv_len)",
                  "(offs_m[None, :] < q_len) & (offs_n[:, None] < kv_len)", "+ 8 < seq_q_len"):
         assert line in src, line
     assert "+ 8 < q_len" not in src.split("import triton.language as tl")[1]  # the expressions never see the call's rows (the header shows the spec)
@@ -126,6 +127,12 @@ def test_a_shards_kernels_see_positions_in_the_whole_sequence():
     gluon = render_gluon(plan_gluon(shard))
     compile(gluon, "t_gluon", "exec")
     for line in ("q_lo, q_hi, kv_lo, kv_hi = q_lo + q_offset, q_hi + q_offset, kv_lo + kv_offset, kv_hi + kv_offset",
-                 "q_len, kv_len = seq_q_len, seq_kv_len", "(kv_idx < kv_len + kv_offset)", "+ 8 < seq_q_len"):
+                 "q_len, kv_len = seq_q_len, seq_kv_len", "h = h + h_offset", "(kv_idx < kv_len + kv_offset)", "+ 8 < seq_q_len"):
         assert line in gluon, line
     assert "q_offset" not in render_gluon(plan_gluon(base))
+    heads = load_spec("attention d { head_dim = 128 dtype = bf16 mask = q_idx >= kv_idx or h == 3 dropout = 0.1 }")
+    shard = dataclasses.replace(plan(heads, "h100"), global_positions=True)
+    for src in (_training(render(shard)), render_gluon(plan_gluon(shard))):
+        assert "(h + h_offset) == 3" in src and "b * seq_heads + h + h_offset" in src
+    plain = plan(heads, "h100")
+    assert "h_offset" not in render(plain) and "h_offset" not in render_gluon(plan_gluon(plain))

@@ -41,14 +41,15 @@ def lower_for_kernel(plan: KernelPlan, inner_vars: frozenset[str], want_dscore: 
                       want_score: bool = True) -> KernelCode:
     """global_positions: the kernel is a context-parallel shard's (KernelPlan.global_positions), where the
     expressions' q_len and kv_len are the whole sequence's, seq_q_len and seq_kv_len (q_len and kv_len are the
-    shard's rows). positions_leafwise: sums of positions converted to float leaf by leaf (expr.FLOAT_POSITIONS;
+    shard's rows), and h is the query head in the whole tensor, h + h_offset (the shard's heads are a slice of
+    them under head-parallel methods; its inputs are whole). positions_leafwise: sums of positions converted to float leaf by leaf (expr.FLOAT_POSITIONS;
     the kernel is then exact for lengths of at most FLOAT_POSITIONS only). want_score=False: the mask alone (a
     kernel that adds a separable bias instead: lower_bias)."""
     spec = plan.spec
     scope = ex.Scope("score", ex.SCORE_VARS, spec.inputs_by_name)
     names = {v: v for v in ex.SCORE_VARS}
     if global_positions:
-        names |= {"q_len": "seq_q_len", "kv_len": "seq_kv_len"}
+        names |= {"q_len": "seq_q_len", "kv_len": "seq_kv_len", "h": "(h + h_offset)"}
     lowerer = Lowerer(scope, names, inner_vars, positions_leafwise=positions_leafwise)
     grads = list(plan.read_grads) if want_read_grads else []
     scored = plan.score is not None and want_score

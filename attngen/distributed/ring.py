@@ -41,6 +41,13 @@ class _Ring:
         self.next = peer((self.rank + 1) % self.world)
         self.prev = peer((self.rank - 1) % self.world)
 
+    @classmethod
+    def alone(cls) -> "_Ring":
+        """A ring of one rank (no process group): the shard kernels on the whole sequence (Ulysses with head offsets)."""
+        ring = cls.__new__(cls)
+        ring.group, ring.rank, ring.world, ring.next, ring.prev = None, 0, 1, 0, 0
+        return ring
+
     def send_recv(self, tensors: list[torch.Tensor]) -> "_Transfer":
         """Start sending `tensors` to the next rank and receiving the previous rank's (same shapes)."""
         bufs = [torch.empty_like(t) for t in tensors]
@@ -95,12 +102,14 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     for head shards: each rank runs the kernel on the whole sequence for world / Hq of the query heads; Hq a
     multiple of the group's size, key/value heads a multiple or a divisor of it) or "hybrid" (Ulysses inside
     sub-groups of `ulysses_size` consecutive ranks, the ring across them); see attngen/distributed/ulysses.py.
-    Ulysses and hybrid take no dropout yet and read the query head h only as an input's index (slopes[h]).
+    Every method sees the query head h and draws dropout's pattern as one GPU does.
 
     A sink joins each row of the merged result once; the inputs it reads get gradients, summed over the ranks
-    (with Ulysses every float input gets its gradient). Every rank must call it with equal shapes (checked once per
-    group and shapes). Not supported: runtime block sparsity, paged caches, packed sequences, gradients of inputs
-    the score reads through the ring, torch.compile (eager only)."""
+    (with Ulysses running the kernel itself on each rank's heads, every float input gets its gradient). Every rank
+    must call it with equal shapes (checked once per group and shapes). Not supported: runtime block sparsity,
+    paged caches, packed sequences, gradients of inputs the score reads through the shard kernels (the ring, the
+    hybrid, and Ulysses where the spec has dropout or reads h other than as an input's index; ulysses.py),
+    torch.compile (eager only)."""
     if not isinstance(kern, Kernel):
         raise InputError(f"context_parallel takes a kernel from attngen.compile, got {type(kern).__name__}")
     if torch.compiler.is_compiling():
@@ -120,47 +129,61 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if q.shape[2] != k.shape[2]:
         raise InputError(f"context_parallel: q and k must be shards of one sequence (self-attention), the same number of tokens; "
                          f"q has {q.shape[2]}, k has {k.shape[2]}")
-    n = q.shape[2]
-    mine = chunks(layout, ring.rank, ring.world, n)
-    seq_len = n * ring.world
+    seq_len = q.shape[2] * ring.world
     check_direct_indices(kern._direct_indices, Dims(dims.batch, dims.heads, dims.kv_heads, seq_len, seq_len), {d.name: t for d, t in zip(spec.inputs, tensors)})
     p, seed_t = dropout_args(spec, dropout_p, 0 if seed is None else seed, q.device)  # the probability and the seed, checked as for a call
-    if p and method != "ring":
-        raise InputError(f"context_parallel with method={method!r} does not take dropout yet: its pattern is drawn by each head's "
-                         f"index in the whole tensor, which these methods split (use method='ring')")
-    if p:
-        if seed is None:  # a call draws one from torch's generator, which the ranks need not share
-            raise InputError("context_parallel with dropout needs seed= (a non-negative int below 2**63, the same on every rank), got None")
-        if mine[0].length % 128:
-            raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
-                             f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {mine[0].length}")
-    if method != "ring":  # Ulysses, alone or inside the hybrid's sub-groups
-        axes = head_split_axes(spec)  # the inputs split with the heads (raises where h is read otherwise)
-        _check_same_shapes(ring, q, k)
-        names = [d.name for d in spec.inputs]
-        if method == "ulysses":
-            o, lse = ulysses_forward(kern, q, k, v, tensors, names, axes, group, layout)
-        else:
-            sub, across = hybrid_groups(group, ring.world, ulysses_size)
+    if p and seed is None:  # a call draws one from torch's generator, which the ranks need not share
+        raise InputError("context_parallel with dropout needs seed= (a non-negative int below 2**63, the same on every rank), got None")
+    seed_t = seed_t if p else None
+    if method == "ring":
+        o, lse2 = _ring_attention(kern, ring, layout, q, k, v, tensors, p, seed_t)
+        return (o, lse2 * LN2) if return_lse else o
+    # Ulysses, alone or inside the hybrid's sub-groups
+    _check_same_shapes(ring, q, k)
+    names = [d.name for d in spec.inputs]
+    try:  # the kernel itself on each rank's heads, its inputs split with them
+        axes = head_split_axes(spec) if method == "ulysses" and not p else None
+    except InputError:  # h read otherwise: the shard kernels, with a head offset
+        axes = None
+    if method == "ulysses":
+        def shard_method(qh, kh, vh, local, heads):  # a ring of one rank on the whole sequence
+            o, lse2 = _ring_attention(kern, _Ring.alone(), "contiguous", qh, kh, vh, local, p, seed_t, heads)
+            return o, lse2 * LN2
+        o, lse = ulysses_forward(kern, q, k, v, tensors, names, axes, group, layout, shard_method)
+    else:
+        sub, across = hybrid_groups(group, ring.world, ulysses_size)
 
-            def ring_part(qh, kh, vh, local):  # the ring across sub-groups, on the sub-group's shard
-                return context_parallel(kern, qh, kh, vh, group=across, layout=layout, return_lse=True, **dict(zip(names, local)))
-            o, lse = ulysses_forward(kern, q, k, v, tensors, names, axes, sub, layout, ring_part)
-        return (o, lse) if return_lse else o
+        def shard_method(qh, kh, vh, local, heads):  # the ring across sub-groups, on the sub-group's shard
+            o, lse2 = _ring_attention(kern, _Ring(across), layout, qh, kh, vh, local, p, seed_t, heads)
+            return o, lse2 * LN2
+        o, lse = ulysses_forward(kern, q, k, v, tensors, names, None, sub, layout, shard_method)
+    return (o, lse) if return_lse else o
+
+
+def _ring_attention(kern: Kernel, ring: _Ring, layout: str, q, k, v, tensors: list, p: float, seed_t, heads: tuple[int, int] | None = None):
+    """O (q's element type) and the lse (log2 units) of this rank's shard by the ring over `ring` (the inputs whole,
+    checked by the caller); heads: (h_offset, heads of the whole tensor) where q holds a slice of the query heads
+    (Ulysses), else q's heads are all of them."""
+    spec = kern.spec
+    n = q.shape[2]
+    chunk = chunks(layout, ring.rank, ring.world, n)[0].length
+    if p and ring.world > 1 and chunk % 128:
+        raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
+                         f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {chunk}")
     # the sink's inputs get gradients (summed over the ranks); the score's do not yet
     sink_reads = {r.input for r in input_reads(spec.sink)} - {g.read.input for g in kern.plan.read_grads}
     trained = [d.name for d, t in zip(spec.inputs, tensors) if t.requires_grad and d.name not in sink_reads]
     if torch.is_grad_enabled() and trained:
-        raise InputError(f"context_parallel does not compute gradients of inputs the score reads yet ({', '.join(trained)}); detach them")
+        raise InputError(f"context_parallel does not compute gradients of inputs the score reads through the shard kernels yet "
+                         f"({', '.join(trained)}; the ring, and Ulysses where the spec reads h in an expression or has dropout); "
+                         f"detach them")
     _check_same_shapes(ring, q, k)
-    run = _Run(kern, ring, layout, n, tensors, p, seed_t if p else None)
+    run = _Run(kern, ring, layout, n, tensors, p, seed_t, heads or (0, q.shape[1]))
     sink_leaves = [(i, t) for i, (d, t) in enumerate(zip(spec.inputs, tensors)) if d.name in sink_reads and t.requires_grad]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_leaves):
         run.sink_leaves = [i for i, _ in sink_leaves]
-        o, lse2 = _RingAttention.apply(run, q, k, v, *(t for _, t in sink_leaves))
-    else:
-        o, lse2 = run.forward(q, k, v)
-    return (o, lse2 * LN2) if return_lse else o
+        return _RingAttention.apply(run, q, k, v, *(t for _, t in sink_leaves))
+    return run.forward(q, k, v)
 
 
 class _Run:
@@ -168,8 +191,10 @@ class _Run:
     Tensors are handled chunk by chunk, each chunk's rows contiguous (copied once per call where the layout has
     two chunks per rank), so no kernel call copies its operands and the ring sends whole tensors."""
 
-    def __init__(self, kern: Kernel, ring: _Ring, layout: str, n: int, inputs: list, dropout_p: float, seed: torch.Tensor | None):
+    def __init__(self, kern: Kernel, ring: _Ring, layout: str, n: int, inputs: list, dropout_p: float, seed: torch.Tensor | None,
+                 heads: tuple[int, int]):
         self.kern, self.ring, self.inputs, self.dropout_p, self.seed = kern, ring, inputs, dropout_p, seed
+        self.heads = heads  # (the index of q's first head among the whole tensor's, their number): the kernels' h_offset, seq_heads
         self.sink_leaves: list[int] = []  # which inputs (by position) the sink reads and get gradients
         self._sinks: torch.Tensor | None = None  # the sink of every row (_sink), once evaluated
         self.seq_len = n * ring.world
@@ -191,7 +216,7 @@ class _Run:
         for step, pairs in enumerate(self.steps):
             transfer = self.ring.send_recv(kv) if step < self.ring.world - 1 else None
             for i, j, positions in pairs:
-                o, lse = shard_forward(self.kern, qs[i], kv[j], kv[count + j], self.inputs, self.dropout_p, self.seed, positions)
+                o, lse = shard_forward(self.kern, qs[i], kv[j], kv[count + j], self.inputs, self.dropout_p, self.seed, positions + self.heads)
                 if o_acc[i] is None:  # the first part of these rows: taken as it is
                     o_acc[i], lse_acc[i] = o.float().contiguous(), lse.contiguous()
                 else:
@@ -209,11 +234,14 @@ class _Run:
         return torch.cat(o_acc, 2).to(q.dtype), torch.cat(lse_acc, 2)
 
     def _sink(self, batch: int, heads: int, device) -> torch.Tensor:
-        """The sink of every row of the whole sequence (B, H, seq_len), log2 units, float32: evaluated once a call,
-        by the forward, and kept for the backward (the inputs it reads are the same tensors)."""
+        """The sink of every row of the whole sequence (B, H, seq_len) for q's heads, log2 units, float32: evaluated
+        once a call (for every head of the whole tensor, where q holds a slice of them), by the forward, and kept
+        for the backward (the inputs it reads are the same tensors)."""
         if self._sinks is None:
             named = {d.name: t.detach() for d, t in zip(self.kern.spec.inputs, self.inputs)}
-            self._sinks = sink_rows(self.kern.spec, named, batch, heads, self.seq_len, self.seq_len, device, torch.float32) * LOG2E
+            first, total = self.heads
+            every = sink_rows(self.kern.spec, named, batch, total, self.seq_len, self.seq_len, device, torch.float32)
+            self._sinks = every[:, first:first + heads] * LOG2E
         return self._sinks
 
     def sink_grads(self, o, lse, do, dlse) -> list[torch.Tensor]:
@@ -223,13 +251,14 @@ class _Run:
         spec = self.kern.spec
         batch, heads = o.shape[:2]
         sink = self._sink(batch, heads, o.device)
-        rows = torch.zeros_like(sink)
+        first, total = self.heads
+        rows = sink.new_zeros((batch, total, self.seq_len))  # every head of the whole tensor: q's a slice of them
         for c in self.mine:
             at = _rows(c)
             delta = row_delta(o[:, :, at], do[:, :, at], None if dlse is None else dlse[:, :, at])
-            rows[:, :, _positions(c)] = sink_share_grads(sink[:, :, _positions(c)], lse[:, :, at], delta)
+            rows[:, first:first + heads, _positions(c)] = sink_share_grads(sink[:, :, _positions(c)], lse[:, :, at], delta)
         named = {d.name: t.detach() for d, t in zip(spec.inputs, self.inputs)}
-        dims = Dims(batch, heads, heads, self.seq_len, self.seq_len)
+        dims = Dims(batch, total, total, self.seq_len, self.seq_len)
         grads = reduce_input_grads(spec, dims, named, [], [], rows)
         out = []
         for i in self.sink_leaves:
@@ -252,7 +281,7 @@ class _Run:
             parts = [None] * (2 * count)  # this rank's part of dK (key chunks), then of dV
             for i, j, positions in pairs:
                 dq_p, dk_p, dv_p = shard_backward(self.kern, qs[i], kv[j], kv[count + j], os[i], lses[i], dos[i], dlses[i],
-                                                             self.inputs, self.dropout_p, self.seed, positions)
+                                                             self.inputs, self.dropout_p, self.seed, positions + self.heads)
                 dq[i] = dq_p.float() if dq[i] is None else dq[i].add_(dq_p)
                 for at, part in ((j, dk_p), (count + j, dv_p)):
                     parts[at] = part.float() if parts[at] is None else parts[at].add_(part)

@@ -12,9 +12,13 @@ hybrid: the group's ranks form sub-groups of `ulysses_size` consecutive ranks; U
 its ranks' shards into one shard of the sub-groups' sequence for a share of the heads, and the ring
 (attngen/distributed/ring.py) runs across the sub-groups (ranks at the same place in each), on that shard.
 
-Until the kernels take a head offset, the expressions may read the query head `h` only as a bare index of an
-input (`slopes[h]`, `sinks[h]`) and dropout is refused: its pattern is drawn by each head's index in the whole
-tensor."""
+Head offsets: the kernel itself runs on a rank's heads where the expressions read the query head `h` only as a
+bare index of inputs whose H dimensions are read so (`slopes[h]`, `sinks[h]`: those inputs are split with the
+heads) and there is no dropout. Otherwise (h in an expression, dropout, whose pattern is drawn by each head's
+index in the whole tensor) and in the hybrid's ring, the shard kernels run (attngen/runtime/shard.py) with the
+inputs whole and the index of the rank's first head in the whole tensor (h_offset), so they see h as one GPU
+does; under Ulysses alone as a ring of one rank.
+"""
 from __future__ import annotations
 
 import torch
@@ -47,15 +51,13 @@ def check_method(method: str, ulysses_size, world: int) -> int:
 
 def head_split_axes(spec: Spec) -> dict[str, tuple[int, ...]]:
     """For each input, the axes its reads index by the bare query head `h` (split across the ranks with the heads).
-    InputError where `h` appears otherwise, or an input's axis is read both by `h` and by something else: those
-    need the kernels to take a head offset, which they do not yet."""
+    InputError where `h` appears otherwise, or an input's axis is read both by `h` and by something else, saying
+    why: such specs run the shard kernels with the inputs whole and a head offset instead (context_parallel)."""
     exprs = [e for e in (effective_mask(spec), spec.score, spec.sink) if e is not None]
     for e in exprs:
         where = _bare_head(e)
         if where:
-            raise InputError(f"context_parallel with method='ulysses' or 'hybrid': the spec {spec.name!r} reads the query head h in "
-                             f"{where}; these methods take h only as an input's index (slopes[h]) until the kernels take a head "
-                             f"offset (use method='ring')")
+            raise InputError(f"the spec {spec.name!r} reads the query head h in {where}: its inputs cannot be split by head")
     axes: dict[str, set[int]] = {}
     for read in input_reads(*exprs):
         for axis, idx in enumerate(read.indices):
@@ -65,15 +67,13 @@ def head_split_axes(spec: Spec) -> dict[str, tuple[int, ...]]:
         for axis in axes.get(read.input, ()):
             idx = read.indices[axis]
             if not (isinstance(idx, Var) and idx.name == "h"):
-                raise InputError(f"context_parallel with method='ulysses' or 'hybrid': input {read.input!r} is read at h and at other "
-                                 f"values on dimension {axis}; these methods split it by head (use method='ring')")
+                raise InputError(f"input {read.input!r} is read at h and at other values on dimension {axis}: it cannot be split by head")
     for decl in spec.inputs:  # each rank's kernel sees its share of the heads: H-sized dimensions are exactly those split
         split = axes.get(decl.name, set())
         for axis, dim in enumerate(decl.dims):
             if (dim == "H") != (axis in split):
-                raise InputError(f"context_parallel with method='ulysses' or 'hybrid': input {decl.name!r} dimension {axis} is declared "
-                                 f"{dim} but {'not ' if axis not in split else ''}read at h; these methods give each rank's kernel its "
-                                 f"share of the heads, and split exactly the H dimensions read at h (use method='ring')")
+                raise InputError(f"input {decl.name!r} dimension {axis} is declared {dim} but {'not ' if axis not in split else ''}read at h: "
+                                 f"a rank's kernel sees its share of the heads, so exactly the H dimensions read at h are split")
     return {name: tuple(sorted(a)) for name, a in axes.items()}
 
 
@@ -221,8 +221,8 @@ def to_tokens(t: torch.Tensor, heads: list[range], sends: list[torch.Tensor], gr
 
 
 def split_inputs(inputs: list, names: list[str], axes: dict[str, tuple[int, ...]], heads: range, group) -> list:
-    """The inputs as this rank's kernel call takes them: split along their axes indexed by h to its heads; those
-    that get gradients pass through _SumOverGroup, so each rank's part of their gradient is summed."""
+    """The inputs as this rank's kernel call takes them: split along their axes indexed by h to its heads (none: whole);
+    those that get gradients pass through _SumOverGroup, so each rank's part of their gradient is summed."""
     out = []
     for name, t in zip(names, inputs):
         if t.requires_grad and torch.is_grad_enabled():
@@ -233,10 +233,13 @@ def split_inputs(inputs: list, names: list[str], axes: dict[str, tuple[int, ...]
     return out
 
 
-def ulysses_forward(kern, q, k, v, inputs: list, names: list[str], axes: dict[str, tuple[int, ...]], group, layout: str, ring_method=None):
-    """O and the lse (natural log) of this rank's shard by Ulysses over `group`, the inputs split along `axes`
-    (head_split_axes); with ring_method (a callable taking the sub-group's shard q, k, v and the inputs, returning O
-    and the lse in natural log), the ring across sub-groups runs in place of the kernel on the sub-group's sequence."""
+def ulysses_forward(kern, q, k, v, inputs: list, names: list[str], axes: dict[str, tuple[int, ...]] | None, group, layout: str,
+                    shard_method=None):
+    """O and the lse (natural log) of this rank's shard by Ulysses over `group`. With `axes` (head_split_axes), the
+    kernel itself on the sub-group's sequence for this rank's heads, the inputs split along those axes; else
+    shard_method(q, k, v, inputs, (h_offset, heads)) -> (O, lse in natural log), on the sub-group's sequence for
+    this rank's heads, given the inputs whole and the index of its first query head among the `heads` of the whole
+    tensor (the shard kernels: a ring of one rank, or the hybrid's ring across sub-groups)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
     check_head_split(hq, hkv, world)
@@ -244,11 +247,11 @@ def ulysses_forward(kern, q, k, v, inputs: list, names: list[str], axes: dict[st
     plan = exchange_plan(layout, world, n, q_heads, kv_heads, q.device)
     qh = to_heads(q, q_heads, plan.q_sends, group, plan.order)
     kh, vh = (to_heads(t, kv_heads, plan.kv_sends, group, plan.order) for t in (k, v))
-    local = split_inputs(inputs, names, axes, q_heads[me], group)
-    if ring_method is None:
+    local = split_inputs(inputs, names, axes or {}, q_heads[me], group)
+    if axes is not None:
         o, lse = kern(qh, kh, vh, return_lse=True, **dict(zip(names, local)))
     else:
-        o, lse = ring_method(qh, kh, vh, local)
+        o, lse = shard_method(qh, kh, vh, local, (q_heads[me].start, hq))
     return to_tokens(o, q_heads, plan.token_sends, group, n), to_tokens(lse, q_heads, plan.token_sends, group, n)
 
 

@@ -19,10 +19,12 @@ def shard_kernel(kernel):
     return kernel._shard_twin
 
 
-def shard_forward(kernel, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, int, int, int]):
+def shard_forward(kernel, q, k, v, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, ...]):
     """O and the lse (log2 units) of q's rows attending to k's and v's keys only, where q's first row and k's
     first key are at positions[0] and positions[1] of a sequence of positions[2] queries and positions[3] keys,
-    which the expressions see (attngen/distributed merges these partial results). O is float32 from the
+    and q's first head is head positions[4] of positions[5] query heads (a slice of them under head-parallel
+    methods, whose inputs are whole), which the expressions and dropout's pattern see (attngen/distributed merges
+    these partial results). O is float32 from the
     Triton generator, q's element type from the Gluon one (it stores O through Q's tile). The tensors are
     checked by the caller."""
     kern = shard_kernel(kernel)
@@ -36,7 +38,7 @@ def shard_forward(kernel, q, k, v, inputs, dropout_p: float, seed: torch.Tensor 
                             extra | {"positions": positions, "out_dtype": torch.float32})
 
 
-def shard_backward(kernel, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, int, int, int]):
+def shard_backward(kernel, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, ...]):
     """(dQ, dK, dV) of one shard pair (as shard_forward's): the contributions of q's rows and k's keys to the
     whole attention's gradients, from its O and lse (log2 units) and dO, dlse (or None). float32, but dK and
     dV in k's element type from the Gluon backward."""
