@@ -21,22 +21,24 @@ def skip_repeated_patches() -> bool:
         return False
     original_patch = interpreter._patch_lang
     original_launch = interpreter.GridExecutor.__call__
-    patched: list[set] = []  # per launch in progress (innermost last): the language modules patched by it
-
-    def langs_of(fn) -> frozenset:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+    # per launch in progress (innermost last): the language modules it patched, and the functions it saw
+    patched: list[tuple[set, set]] = []
 
     def patch_lang(fn):
-        langs = langs_of(fn)
-        if patched and langs <= patched[-1]:
-            return interpreter._LangPatchScope()  # nothing to do: this launch patched these modules already
-        scope = original_patch(fn)
+        if patched and id(fn) in patched[-1][1]:
+            return interpreter._LangPatchScope()  # a helper called before in this launch: its modules are patched
+        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        if patched and langs <= patched[-1][0]:
+            scope = interpreter._LangPatchScope()  # nothing to do: this launch patched these modules already
+        else:
+            scope = original_patch(fn)
         if patched:
-            patched[-1].update(langs)
+            patched[-1][0].update(langs)
+            patched[-1][1].add(id(fn))
         return scope
 
     def launch(self, *args, **kwargs):
-        patched.append(set())
+        patched.append((set(), set()))
         try:
             return original_launch(self, *args, **kwargs)
         finally:

@@ -166,10 +166,11 @@ def _ring_attention(kern: Kernel, ring: _Ring, layout: str, q, k, v, tensors: li
     (Ulysses), else q's heads are all of them."""
     spec = kern.spec
     n = q.shape[2]
-    chunk = chunks(layout, ring.rank, ring.world, n)[0].length
-    if p and ring.world > 1 and chunk % 128:
-        raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
-                         f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {chunk}")
+    if p and ring.world > 1:
+        chunk = chunks(layout, ring.rank, ring.world, n)[0].length
+        if chunk % 128:
+            raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
+                             f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {chunk}")
     # the sink's inputs get gradients (summed over the ranks); the score's do not yet
     sink_reads = {r.input for r in input_reads(spec.sink)} - {g.read.input for g in kern.plan.read_grads}
     trained = [d.name for d, t in zip(spec.inputs, tensors) if t.requires_grad and d.name not in sink_reads]
