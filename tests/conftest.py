@@ -18,7 +18,7 @@ def pytest_configure(config):
         os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
         from interpreter_patches import skip_repeated_patches
 
-        skip_repeated_patches()  # the interpreter's helper calls without repeated work (interpreter_patches.py)
+        skip_repeated_patches()  # the interpreter without work its results do not depend on (interpreter_patches.py)
     # Each test session (and each xdist worker) writes generated modules to its own fresh cache.
     os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-test-cache-")
 
