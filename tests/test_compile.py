@@ -1,9 +1,10 @@
 """torch.compile over attngen kernels: under torch.compile a kernel call is a pair of torch.library
-custom ops (forward, backward), so `fullgraph=True` traces a model that calls one, with dynamic shapes, under
+custom ops (forward, backward; in training, a call returning O alone holds them in an autograd.Function), so `fullgraph=True` traces a model that calls one, with dynamic shapes, under
 no_grad and in training, with declared inputs and their gradients, dropout, runtime block masks and return_lse,
 and packed sequences (cu_seqlens: a pair of ops of their own).
 On the CPU the ops run the kernels in Triton's interpreter; torch.compile runs with the aot_eager backend
 (Inductor's C++ code generation is not what is tested here, and is slow on two cores)."""
+import math
 from pathlib import Path
 
 import pytest
@@ -250,25 +251,46 @@ def test_ops_are_named_after_the_spec(target):
 
 
 def test_a_compiled_call_with_nothing_to_differentiate_takes_the_inference_operator(device, target):
-    """Traced under no_grad the graph calls attngen::<name>_infer (no autograd layer), with grad attngen::<name>_fwd;
-    both give the eager call's O."""
+    """Traced under no_grad the graph calls attngen::<name>_infer (no autograd layer). With grad, a call returning O
+    alone runs the same operator inside an autograd.Function the graph holds (CompiledAttention), whose backward
+    gets no gradient for the lse; with return_lse, attngen::<name>_fwd, whose formula takes the lse's gradient.
+    All give the eager call's O and gradients."""
     kern = _kernel("causal", target)
     graphs = []
 
     def recording(gm, example_inputs):
-        graphs.append(str(gm.graph))
+        graphs.append(gm.print_readable(print_output=False))
         return gm.forward
 
     fn = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True, backend=recording)
+    with_lse = torch.compile(lambda q, k, v: kern(q, k, v, return_lse=True), fullgraph=True, backend=recording)
     dtype = TORCH_DTYPES[kern.spec.dtype.value]
     q, k, v = (torch.randn(1, 2, 40, 128, device=device, dtype=dtype) for _ in range(3))
+    do = torch.randn(q.shape, device=device, dtype=dtype)
     name = kern._ops().name
     with torch.no_grad():
         assert torch.equal(fn(q, k, v), kern(q, k, v))
     assert f"attngen.{name}_infer" in graphs[-1] and f"attngen.{name}_fwd" not in graphs[-1], graphs[-1]
+
+    lse_grads = []
+    backward = kern._backward_impl
+
+    def recorded(q, k, v, o, lse, do, dlse, *rest, **kwargs):
+        lse_grads.append(dlse)
+        return backward(q, k, v, o, lse, do, dlse, *rest, **kwargs)
+    kern._backward_impl = recorded
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    assert torch.equal(fn(*leaves), kern(*leaves))
-    assert f"attngen.{name}_fwd" in graphs[-1] and f"attngen.{name}_infer" not in graphs[-1], graphs[-1]
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, want = fn(*leaves), kern(*eager)
+    assert torch.equal(o, want)
+    assert "autograd_function_apply" in graphs[-1] and f"attngen.{name}_infer" in graphs[-1] and f"attngen.{name}_fwd" not in graphs[-1], graphs[-1]
+    got, wanted = torch.autograd.grad(o, leaves, do), torch.autograd.grad(want, eager, do)
+    assert all(torch.equal(a, b) for a, b in zip(got, wanted)) and lse_grads[0] is None
+    lse_grads.clear()
+    o, lse = with_lse(*leaves)
+    assert torch.equal(o, want.detach()) and f"attngen.{name}_fwd" in graphs[-1] and f"attngen.{name}_infer" not in graphs[-1], graphs[-1]
+    torch.autograd.grad((o, lse), leaves, (do, torch.ones_like(lse)))
+    assert lse_grads[0] is not None and torch.allclose(lse_grads[0], torch.full_like(lse_grads[0], math.log(2)))  # d(lse2 ln 2) / d lse2
 
 
 def test_bad_calls_fail_while_tracing_with_the_eager_message(target):

@@ -58,6 +58,39 @@ class AttentionFunction(torch.autograd.Function):
         return (None, None, dq, dk, dv) + as_input_grads(inputs, grads, wanted)
 
 
+class CompiledAttention(torch.autograd.Function):
+    """A call under torch.compile that records a gradient and returns O alone (no return_lse): the forward operator
+    without an autograd formula (Ops.inference; packed sequences: Ops.varlen_forward) and the backward operator, in
+    a Function that torch.compile traces into its graphs. With the lse an output of the traced call (Ops.forward's
+    formula), the compiled backward got a zero-filled gradient for it, which the kernels then read (and which kept
+    the Gluon backward from replaying its launches); here the lse is saved, not returned, so no gradient reaches it,
+    and the forward operator is called without a Python autograd layer in front. `varlen`: packed sequences'
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), or None."""
+
+    @staticmethod
+    def forward(ctx, ops, dropout_p, seed, block_mask, varlen, q, k, v, *inputs):
+        if varlen is None:
+            o, lse = ops.inference(q, k, v, list(inputs), dropout_p, seed, block_mask)
+        else:
+            o, lse = ops.varlen_forward(q, k, v, list(inputs), *varlen, dropout_p, seed)
+        ctx.ops, ctx.dropout_p, ctx.varlen, ctx.n_inputs = ops, dropout_p, varlen, len(inputs)
+        ctx.has_seed, ctx.has_block_mask = seed is not None, block_mask is not None
+        ctx.save_for_backward(q, k, v, o, lse, *inputs, *(t for t in (seed, block_mask) if t is not None))
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, *rest = ctx.saved_tensors
+        inputs, (seed, block_mask) = rest[:ctx.n_inputs], _optional(rest[ctx.n_inputs:], ctx.has_seed, ctx.has_block_mask)
+        none = (None,) * 5
+        if ctx.varlen is not None:  # (packed calls take no input gradients: the call checks)
+            dq, dk, dv = ctx.ops.varlen_backward(q, k, v, o, lse, do, None, list(inputs), *ctx.varlen, ctx.dropout_p, seed)
+            return (*none, dq, dk, dv) + (None,) * len(inputs)
+        wanted = [w and t.is_floating_point() for w, t in zip(ctx.needs_input_grad[8:], inputs)]
+        dq, dk, dv, grads = ctx.ops.backward(q, k, v, o, lse, do, None, list(inputs), ctx.dropout_p, seed, block_mask, any(wanted))
+        return (*none, dq, dk, dv, *as_input_grads(inputs, grads, wanted))
+
+
 class Ops:
     """A kernel's torch library operators, which torch.compile traces as single calls (with dynamic shapes): the
     forward `attngen::<name>_fwd` (O and the lse in log2 units) and the backward `attngen::<name>_bwd`, its

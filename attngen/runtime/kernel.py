@@ -23,7 +23,7 @@ from ..plan.decode import takes_plain_call
 from ..plan.planner import KernelPlan
 from ..plan.tune import Tuner
 from ..plan.tune import bucket as tune_bucket
-from .autograd import AttentionFunction, Ops, as_input_grads
+from .autograd import AttentionFunction, CompiledAttention, Ops, as_input_grads
 from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .dtypes import TORCH_DTYPES
@@ -273,6 +273,8 @@ class Kernel:
             kept = self._packed_calls[packed_key] = PackedCall([d.name for d in self.spec.inputs], grad, varlen[2], varlen[3])
             o, lse2 = kept.run(self, *packed, inputs, cu_seqlens_q, cu_seqlens_k, checked=True)
             return (o, lse2 * LN2) if return_lse else o
+        if compiling and grad and not return_lse:  # O alone: no gradient for the lse (CompiledAttention)
+            return CompiledAttention.apply(self._ops(), p, seed_t, block_mask, varlen, *(q, k, v) if varlen is None else packed, *tensors)
         if compiling and varlen is not None:  # the packed ops take and give flash_attn's layout
             o, lse2 = self._ops().varlen_forward(*packed, tensors, *varlen, p, seed_t)
             return (o, lse2 * LN2) if return_lse else o
