@@ -5,6 +5,7 @@ Triton 3.6's interpreter rounds float32 to e4m3 wrongly where rounding carries i
 0.25, not 0.5), so on the CPU the FP8 kernel's P V cannot be checked to FP8 accuracy: its lse (which P's rounding
 does not touch) is checked exactly, V's descale factor by scaling, and the CPU path users get (the float32
 kernels on the dequantized inputs) against the reference. The FP8 numerics on the GPU: benchmarks/fp8.py."""
+import inspect
 import math
 
 import pytest
@@ -227,7 +228,7 @@ def test_a_gluon_fp8_call_like_one_before_replays_its_launches(monkeypatch):
             assert made == ([] if call else ["launch_args"]), (granularity, call)
             (_, copy_args, _), (grid, args, kwargs) = recorders["_keys_contiguous"].launches[-1], recorders["_attn_fwd"].launches[-1]
             v_t = copy_args[1]
-            assert copy_args[0] is v and v_t.shape == (B, HKV, 128, 304) and args[4] is o and args[5] is lse
+            assert copy_args[0] is v and v_t.shape == (B, HKV, 128, 320) and args[4] is o and args[5] is lse
             expected = full(q, k, v_t, o, lse, descales=descales)
             assert len(args) == len(expected) and grid == g.grid(N, B, HQ, q.device) and kwargs == g._FORWARD.options
             for i, (a, b) in enumerate(zip(args, expected)):
@@ -272,6 +273,24 @@ def test_plan_and_generator_choice():
     assert "DESCALE_BLOCK = tl.constexpr(128)" in src and "k_descale = tl.load(k_descales + (start_n // DESCALE_BLOCK) * stride_kd_blk)" in src
     assert "s = qk * (qk_scale * k_descale)" in src  # one multiply per score
     assert "def keys_contiguous(" in src and "acc = acc * v_descale" in src
+
+
+def test_v_is_copied_with_its_keys_in_the_order_of_the_products_operand(device):
+    """The Gluon FP8 forward's copy of V (keys_contiguous, K-major for the e4m3 product): each 32 keys in the order
+    that P's columns take in the operand registers (_keys_in_operand_order: the accumulator's thread t of a quad
+    holds keys 8j + 2t + c, the operand's 16h + 4t + e), and zeros past the keys to a multiple of 32. The kernel
+    moves bytes only, so float32 runs it in the interpreter too."""
+    g = attngen.compile(CAUSAL.replace("head_dim = 64", "head_dim = 128"), "h100").gluon
+    assert "_keys_in_operand_order(p)" in inspect.getsource(g)
+    v = torch.randn(2, 3, 75, 128, device=device)
+    vt = g.keys_contiguous(v)
+    assert vt.shape == (2, 3, 128, 96)
+    want = torch.zeros(2, 3, 128, 96, device=device)
+    for key in range(75):
+        block, within = divmod(key, 32)
+        half, j, t, c = within // 16, (within // 8) % 2, (within // 2) % 4, within % 2  # within = 16 half + 8 j + 2 t + c
+        want[..., 32 * block + 16 * half + 4 * t + 2 * j + c] = v[:, :, key]
+    assert torch.equal(vt, want)
 
 
 @pytest.mark.slow  # triton.compile for sm_90 in a subprocess: about 10 s

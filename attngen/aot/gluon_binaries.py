@@ -58,7 +58,7 @@ def compile_module(module: ModuleType, dtype, batch: int = 1, heads: int = 2, kv
         o = torch.empty(q.shape, dtype=torch.bfloat16)
         lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
         inputs = [torch.zeros([4] * ndim, dtype=TORCH_DTYPES[kind]) for _, kind, ndim in module.INPUTS]
-        vt = torch.zeros(batch, kv_heads, d, -(-kv_len // 16) * 16, dtype=dtype)  # keys_contiguous(v)'s layout (only shapes matter)
+        vt = torch.zeros(batch, kv_heads, d, -(-kv_len // 32) * 32, dtype=dtype)  # keys_contiguous(v)'s layout (only shapes matter)
         args = module.launch_args(q, k, vt, o, lse, *inputs)
         return {"_attn_fwd": compile_kernel(module._attn_fwd, args, {"num_warps": 4, "maxnreg": module.FWD_MAXNREG})}
     q = torch.empty(batch, heads, q_len, d, dtype=dtype)
