@@ -113,6 +113,39 @@ def test_a_plain_call_like_one_made_before_skips_its_checks_until_its_signature_
     assert len(padded._plain_calls) == 3
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["plain", "with_a_seed"])
+def test_a_call_without_return_lse_records_o_alone(padded, kept):
+    """A call that records a gradient and does not return the lse gets an autograd node with O as its only output
+    (AttentionOutput; a second output costs host time in both passes): its gradients are those of the call that
+    returns the lse and leaves it unused, bit for bit, and its backward is given no lse gradient. Plain calls
+    (kept by signature) and the others alike (a seed makes a call not plain; this spec has no dropout)."""
+    q, k, v = _qkv()
+    lens = torch.tensor([3, 11], dtype=torch.int32, device=q.device)
+    do = torch.randn(q.shape).to(device=q.device, dtype=q.dtype)
+    extra = {} if kept else {"seed": 3}
+    given = []
+    backward = padded._backward_impl
+
+    def recorded(*args, **kwargs):
+        given.append(args[6])  # dlse
+        return backward(*args, **kwargs)
+    padded._backward_impl = recorded
+    try:
+        alone = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = padded(*alone, lens=lens, **extra)
+        assert type(out.grad_fn).__name__ == "AttentionOutputBackward"
+        grads = torch.autograd.grad(out, alone, do)
+        both = [t.clone().requires_grad_() for t in (q, k, v)]
+        out2, lse = padded(*both, lens=lens, return_lse=True, **extra)
+        assert type(out2.grad_fn).__name__ == "AttentionFunctionBackward" and lse.requires_grad
+        assert torch.equal(out, out2)
+        assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(out2, both, do)))
+    finally:
+        del padded._backward_impl
+    assert given or (kept and q.is_cuda)  # (on the GPU a plain call's backward route skips _backward_impl)
+    assert not given or given[0] is None
+
+
 def test_direct_index_out_of_range_is_refused(target):
     kern = attngen.compile(ROOT / "specs" / "document.attn", target)
     q, k, v = _qkv(nq=20, nk=8)

@@ -23,7 +23,7 @@ from ..plan.decode import takes_plain_call
 from ..plan.planner import KernelPlan
 from ..plan.tune import Tuner
 from ..plan.tune import bucket as tune_bucket
-from .autograd import AttentionFunction, CompiledAttention, Ops, as_input_grads
+from .autograd import CompiledAttention, Ops, as_input_grads, attention_node
 from .blocks import block_lists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .dtypes import TORCH_DTYPES
@@ -52,10 +52,11 @@ class PlainCall:
     def __init__(self, dims: Dims, names: list[str], grad: bool, decodes: bool, forward, backward):
         self.dims, self.names, self.grad, self.decodes, self.forward, self.backward = dims, names, grad, decodes, forward, backward
 
-    def run(self, kernel: Kernel, key: tuple, q, k, v, inputs: dict):
+    def run(self, kernel: Kernel, key: tuple, q, k, v, inputs: dict, return_lse: bool = True):
+        """(O, the lse in log2 units; None where a call recording a gradient does not return it)."""
         tensors = [inputs[name] for name in self.names]
         if self.grad:
-            return AttentionFunction.apply(kernel, self, q, k, v, *tensors)
+            return attention_node(kernel, self, q, k, v, tensors, return_lse)
         if self.decodes:
             return decode_impl(kernel, q, k, v, tensors, None, None, None, self.dims, known=key)
         return self.forward(q, k, v, tensors)
@@ -72,15 +73,16 @@ class PackedCall:
     def __init__(self, names: list[str], grad: bool, max_q: int, max_k: int):
         self.names, self.grad, self.max_q, self.max_k = names, grad, max_q, max_k
 
-    def run(self, kernel: Kernel, q, k, v, inputs: dict, cu_q, cu_k, checked: bool = False):
-        """O (total_q, Hq, Dv) and the lse in log2 units (Hq, total_q). `checked`: the offsets were checked by this call."""
+    def run(self, kernel: Kernel, q, k, v, inputs: dict, cu_q, cu_k, checked: bool = False, return_lse: bool = True):
+        """O (total_q, Hq, Dv) and the lse in log2 units (Hq, total_q; None where a call recording a gradient does
+        not return it). `checked`: the offsets were checked by this call."""
         tensors = [inputs[name] for name in self.names]
         if not checked and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             check_offsets("cu_seqlens_q", cu_q, q.shape[0], self.max_q)
             check_offsets("cu_seqlens_k", cu_k, k.shape[0], self.max_k)
         run = _PackedRun(kernel, (cu_q, cu_k, self.max_q, self.max_k))
         if self.grad:
-            return AttentionFunction.apply(kernel, run, q, k, v, *tensors)
+            return attention_node(kernel, run, q, k, v, tensors, return_lse)
         return run.forward(q, k, v, tensors)
 
 
@@ -208,7 +210,7 @@ class Kernel:
                 key = None
             plain = self._plain_calls.get(key)
             if plain is not None:  # a plain call like one made before: its checks passed, its kernels known
-                o, lse2 = plain.run(self, key, q, k, v, inputs)
+                o, lse2 = plain.run(self, key, q, k, v, inputs, return_lse)
                 return (o, lse2 * LN2) if return_lse else o
         packed_key = None
         if (self._packed_calls is not None and not compiling and cu_seqlens_q is not None and cu_seqlens_k is not None and max_seqlen_q is not None
@@ -220,7 +222,7 @@ class Kernel:
                 packed_key = None
             kept = self._packed_calls.get(packed_key)
             if kept is not None:  # packed sequences like a call made before: its checks passed (the offsets' values are checked)
-                o, lse2 = kept.run(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k)
+                o, lse2 = kept.run(self, q, k, v, inputs, cu_seqlens_q, cu_seqlens_k, return_lse=return_lse)
                 return (o, lse2 * LN2) if return_lse else o
         if self.spec.dtype is DType.FP8 or (self.spec.kv_dtype is None and (q_descale is not None or k_descale is not None or v_descale is not None)):
             descales, fp8_key = (q_descale, k_descale, v_descale), None
@@ -265,13 +267,13 @@ class Kernel:
             plain = self._plain_calls[key] = PlainCall(dims, [d.name for d in self.spec.inputs], grad, decodes,
                                                        None if decodes else self._plain_forward(dims, q.device, key),
                                                        self._plain_backward(dims, q.device, key) if grad else None)
-            o, lse2 = plain.run(self, key, q, k, v, inputs)
+            o, lse2 = plain.run(self, key, q, k, v, inputs, return_lse)
             return (o, lse2 * LN2) if return_lse else o
         if packed_key is not None and not dims.empty:  # plain packed sequences: kept by their signature (PackedCall)
             if len(self._packed_calls) >= 256:
                 self._packed_calls.clear()
             kept = self._packed_calls[packed_key] = PackedCall([d.name for d in self.spec.inputs], grad, varlen[2], varlen[3])
-            o, lse2 = kept.run(self, *packed, inputs, cu_seqlens_q, cu_seqlens_k, checked=True)
+            o, lse2 = kept.run(self, *packed, inputs, cu_seqlens_q, cu_seqlens_k, checked=True, return_lse=return_lse)
             return (o, lse2 * LN2) if return_lse else o
         if compiling and grad and not return_lse:  # O alone: no gradient for the lse (CompiledAttention)
             return CompiledAttention.apply(self._ops(), p, seed_t, block_mask, varlen, *(q, k, v) if varlen is None else packed, *tensors)
@@ -288,11 +290,11 @@ class Kernel:
             o, lse2 = self._forward_impl(q, k, v, tensors, p, seed_t, block_mask, varlen)  # nothing to differentiate: no autograd node
         else:
             options = None if seed_t is None and block_mask is None and varlen is None else (p, seed_t, block_mask, varlen)
-            o, lse2 = AttentionFunction.apply(self, options, q, k, v, *tensors)
+            o, lse2 = attention_node(self, options, q, k, v, tensors, return_lse)
         if varlen is not None:  # back to the packed layout: O (total_q, Hq, D), lse (Hq, total_q)
             # (squeeze, not [0]: select's gradient is a zero-filled copy, and dO would then reach the backward laid
             # out by heads, copied again there; squeeze's is a view of the caller's dO)
-            o, lse2 = o.squeeze(0).transpose(0, 1), lse2.squeeze(0)
+            o, lse2 = o.squeeze(0).transpose(0, 1), None if lse2 is None else lse2.squeeze(0)
         # The kernels keep the row log-sum-exp in log2 units (what their exp2 softmax needs, so the backward
         # recomputes P = exp2(s - lse2) exactly); users get natural log.
         return (o, lse2 * LN2) if return_lse else o
