@@ -1,11 +1,14 @@
 """Hardware counters of attngen's kernels and its peers' on one configuration, with Nsight Compute (GPU only).
 
-    python benchmarks/profile_kernels.py [--specs dense causal] [--dims 128] [--seq 16384] [--out DIR]
+    python benchmarks/profile_kernels.py [--specs dense causal] [--dims 128] [--seq 16384] [--fp8] [--source] [--out DIR]
 
 runs itself under `ncu` (clocks left alone: --clock-control none), profiling one forward and one forward +
 backward of each provider (attngen, FlexAttention, torch SDPA's cuDNN backend) after a warm-up that is not
 profiled, and prints per kernel: duration, SM and memory throughput, tensor-pipe activity, registers, shared
 memory, achieved occupancy, issue rate and the three largest warp stall reasons. The raw CSV is kept in DIR.
+--fp8: instead, attngen's forward of each spec's mask (dense: none, causal) in FP8 (`dtype = fp8`, e4m3 inputs
+with per-block descale factors, V's copy included) and in bf16, forward only (FP8 has no backward).
+--source: also ncu's SourceCounters section (warp stalls per SASS line; in the CSV).
 Run with --run to execute the profiled part alone (what ncu starts).
 """
 import argparse
@@ -61,6 +64,39 @@ def run_providers(specs, dims, seqs):
                     torch.cuda.profiler.stop()
 
 
+def run_fp8(specs, dims, seqs):
+    """Warm up, then one forward of attngen's FP8 kernel and one of its bf16 kernel (dense or causal by the spec's
+    name) between profiler start/stop, B * N = 16384 and H * d = 2048 as `attngen bench` sizes them."""
+    import torch
+
+    from attngen import compile as attn_compile
+    from attngen import fp8
+
+    for name in specs:
+        mask = {"dense": "", "causal": "mask = q_idx >= kv_idx"}.get(name)
+        if mask is None:
+            raise SystemExit(f"--fp8 takes the specs dense and causal, not {name!r}")
+        for d in dims:
+            kernels = {dt: attn_compile(f"attention {name}_{dt} {{ head_dim = {d} dtype = {dt} {mask} }}") for dt in ("fp8", "bf16")}
+            for n in seqs:
+                b, h = max(1, 16384 // n), max(1, 2048 // d)
+                q, k, v = (torch.randn(b, h, n, d, device="cuda") for _ in range(3))
+                (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q, "block"), fp8.quantize(k, "block"), fp8.quantize(v, "head")
+                qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+                calls = {"fp8": lambda: kernels["fp8"](q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd),
+                         "bf16": lambda: kernels["bf16"](qb, kb, vb)}
+                with torch.no_grad():
+                    for dt, call in calls.items():
+                        for _ in range(3):
+                            call()
+                        torch.cuda.synchronize()
+                        print(f"profiling {name} d={d} N={n} attngen {dt} ({kernels[dt].generator.generator})", flush=True)
+                        torch.cuda.profiler.start()
+                        call()
+                        torch.cuda.synchronize()
+                        torch.cuda.profiler.stop()
+
+
 def known_metrics(ncu: str) -> list[str]:
     listing = subprocess.run([ncu, "--query-metrics", "--chip", "gh100"], capture_output=True, text=True).stdout
     names = {line.split()[0] for line in listing.splitlines() if line.strip()}
@@ -108,16 +144,20 @@ def main():
     ap.add_argument("--dims", nargs="+", type=int, default=[128])
     ap.add_argument("--seq", nargs="+", type=int, default=[16384])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--fp8", action="store_true", help="attngen's FP8 and bf16 forwards instead of the providers")
+    ap.add_argument("--source", action="store_true", help="also ncu's SourceCounters section (stalls per SASS line)")
     ap.add_argument("--run", action="store_true", help="the profiled program itself (ncu starts this)")
     args = ap.parse_args()
     if args.run:
-        run_providers(args.specs, args.dims, args.seq)
+        (run_fp8 if args.fp8 else run_providers)(args.specs, args.dims, args.seq)
         return
     ncu = os.environ.get("NCU", "ncu")
     metrics = known_metrics(ncu)
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--csv", "--page", "details",
-           *[a for s in SECTIONS for a in ("--section", s)], *(["--metrics", ",".join(metrics)] if metrics else []),
-           sys.executable, __file__, "--run", "--specs", *args.specs, "--dims", *map(str, args.dims), "--seq", *map(str, args.seq)]
+           *[a for s in SECTIONS + (["SourceCounters"] if args.source else []) for a in ("--section", s)],
+           *(["--metrics", ",".join(metrics)] if metrics else []),
+           sys.executable, __file__, "--run", "--specs", *args.specs, "--dims", *map(str, args.dims), "--seq", *map(str, args.seq),
+           *(["--fp8"] if args.fp8 else [])]
     print(" ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     Path(args.out, "ncu_details.csv").write_text(proc.stdout)
