@@ -1,7 +1,8 @@
 """Context parallelism (attngen.distributed) over gloo, 2 and 4 processes spawned by the test, by each method (ring,
 Ulysses, hybrid 2 x 2): every rank's shard of O, the lse and dQ, dK, dV, gathered, against the single-process kernel
 and the float64 reference with the error budget of attngen.verify; reruns (RERUN) bit-identical; the masks (causal, window, documents, ALiBi, grouped-query heads,
-dropout) and a sink evaluated at positions in the whole sequence, the sink's input's gradient summed over the ranks. Shapes that cannot be split are refused with a clear error.
+dropout) and a sink evaluated at positions in the whole sequence; the gradients of float inputs (a score's three kinds
+of reads, a sink's) summed over the ranks. Shapes that cannot be split are refused with a clear error.
 On the GPU, benchmarks/context_parallel.py runs the same comparison over NCCL (BENCHMARKS.md)."""
 import multiprocessing
 import os
@@ -39,6 +40,12 @@ SPECS = {
     "sink": f"attention sink {{ {_TILES} dtype = fp32\n input sinks: fp32[H]\n sink = sinks[h] - 0.01 * q_idx\n"
             f" mask = q_idx >= kv_idx and q_idx - kv_idx < 40 }}",
     "dropout": "attention dropout { head_dim = 16\n block_m = 16\n block_n = 64\n dtype = fp32\n mask = q_idx >= kv_idx\n dropout = 0.2 }",
+    # the score's three kinds of float reads, each getting its gradient through the shard kernels' terms: at neither
+    # q_idx nor kv_idx (slopes: the rows' sums, combined once every key was seen, with the sink's share), at bare
+    # indices (kb: each pair's term placed at its positions) and at an expression of both (rel: scattered)
+    "bias": f"attention bias {{ {_TILES} dtype = fp32\n input slopes: fp32[H]\n input kb: fp32[B, N]\n input rel: fp32[H, 191]\n"
+            f" input sinks: fp32[H]\n score = score - slopes[h] * (q_idx - kv_idx) + kb[b, kv_idx] + rel[h, q_idx - kv_idx + 95]\n"
+            f" sink = sinks[h] }}",
 }
 # a mask that reads the query head itself (not as an input's index): under Ulysses and hybrid, the shard kernels with
 # the inputs whole and a head offset
@@ -49,22 +56,22 @@ SEED = 1234
 # (spec, layout): run by every world size below; dropout needs 128-token chunks (world 2, contiguous: 256 tokens)
 # (the contiguous layout: alibi, lengths and dropout's cases)
 CASES = [("causal", "zigzag"), ("window", "zigzag"), ("document", "zigzag"), ("alibi", "contiguous"),
-         ("dense_bf16", "zigzag"), ("lengths", "contiguous"), ("value_dim", "zigzag"), ("sink", "zigzag")]
+         ("dense_bf16", "zigzag"), ("lengths", "contiguous"), ("value_dim", "zigzag"), ("sink", "zigzag"), ("bias", "zigzag")]
 
 
 # the case run twice, to compare bits: hybrid (zigzag), whose ring sums in a fixed order as the ring alone does
 RERUN = {("causal", "zigzag", "hybrid")}
-# Ulysses and hybrid (2 x 2 with four ranks): (spec, layout, method). ALiBi's slopes get gradients through Ulysses;
-# with four ranks the two key/value heads each go to two ranks (their gradients summed), a sink's input too. Dropout
-# (Ulysses) and a mask reading h (hybrid) run the shard kernels with a head offset: the same pattern and heads as one process
+# Ulysses and hybrid (2 x 2 with four ranks): (spec, layout, method). ALiBi's slopes get gradients through Ulysses
+# (the kernel itself on each rank's heads); with four ranks the two key/value heads each go to two ranks (their
+# gradients summed), a sink's input too. Dropout (Ulysses) and a mask reading h (hybrid) run the shard kernels with
+# a head offset: the same pattern and heads as one process; the hybrid's bias, its inputs' gradients through them
 METHOD_CASES = {2: [("alibi", "contiguous", "ulysses"), ("dropout", "contiguous", "ulysses")],
-                4: [("causal", "zigzag", "hybrid"), ("sink", "zigzag", "ulysses"), ("head_mask", "zigzag", "hybrid")]}
-TRAINED = {"sinks", "slopes"}  # inputs that get gradients (slopes through Ulysses only: the ring does not take them yet)
+                4: [("causal", "zigzag", "hybrid"), ("sink", "zigzag", "ulysses"), ("head_mask", "zigzag", "hybrid"),
+                    ("bias", "zigzag", "hybrid")]}
 
 
-def _data(name, n, method="ring"):
-    """q, k, v, dO and the spec's inputs; a sink's input requires grad (its gradient is checked too), and through
-    Ulysses ALiBi's slopes."""
+def _data(name, n):
+    """q, k, v, dO and the spec's inputs; the float inputs require grad (their gradients are checked too)."""
     spec = attngen.compile(SPECS[name], "h100").spec
     gen = torch.Generator().manual_seed(0)
     dtype = TORCH_DTYPES[spec.dtype.value]
@@ -72,9 +79,9 @@ def _data(name, n, method="ring"):
     q, do = (torch.randn(B, hq, n, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
     k, v = (torch.randn(B, hkv, n, d, generator=gen).to(dtype) for d in (spec.head_dim, spec.dv))
     inputs = verify.make_inputs(spec, B, hq, n, n, "cpu", gen)
-    for trained in TRAINED & set(inputs):
-        if trained == "sinks" or method == "ulysses":
-            inputs[trained].requires_grad_()
+    for t in inputs.values():
+        if t.is_floating_point():
+            t.requires_grad_()
     return q, k, v, do, inputs
 
 
@@ -107,7 +114,7 @@ def _worker(rank, world, init, out, cases):
             name, layout, method = (*case, "ring")[:3]
             kern = attngen.compile(SPECS[name], "h100")
             n = 256 if name == "dropout" and method == "ring" else N  # (Ulysses runs the whole sequence: no chunk rule)
-            q, k, v, do, inputs = _data(name, n, method)
+            q, k, v, do, inputs = _data(name, n)
             kw = {"seed": SEED} if name == "dropout" else {}
             if method != "ring":
                 kw |= {"method": method, "ulysses_size": 2 if method == "hybrid" else None}
@@ -164,7 +171,7 @@ def _check(case, gathered, identical):
     assert identical, f"{case}: a rerun gave different bits"
     kern = attngen.compile(SPECS[name], "h100")
     n = gathered[0].shape[2]
-    q, k, v, do, inputs = _data(name, n, method)
+    q, k, v, do, inputs = _data(name, n)
     o, lse, dq, dk, dv, *d_inputs = gathered
     assert not any(torch.isnan(t).any() for t in (o, dq, dk, dv, *d_inputs)), name
     dtype = q.dtype
@@ -252,6 +259,37 @@ def test_shard_kernels_with_a_head_offset_give_those_heads_of_the_whole_call(nam
     assert all(torch.allclose(g, w[:, 1:], atol=1e-5) for g, w in zip(part_grads[1:3], grads[1:3]))
     if inputs:  # the sink's input: heads 2 and 3 get theirs, the others none
         assert torch.allclose(part_grads[3][2:], grads[3][2:], atol=1e-6) and not part_grads[3][:2].any()
+
+
+def test_shard_kernels_give_the_score_inputs_gradients_of_their_heads():
+    """The gradients of the inputs a score reads, through the shard kernels on a slice of the query heads (what
+    Ulysses with dropout or h, and the hybrid's ring, run): those of the whole call whose dO is zero outside the
+    slice, for each kind of read (slopes[h]: the rows' sums combined with the sink's share; kb[b, kv_idx] at bare
+    indices; rel[h, q_idx - kv_idx + 63] scattered) and the sink's input. The whole call against float64."""
+    from attngen.distributed.ring import _Ring, _ring_attention
+
+    kern = attngen.compile(SPECS["bias"].replace("191", "127").replace("+ 95", "+ 63"), "h100")
+    gen = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(2, 4, 64, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, 64, 16, generator=gen) for _ in range(2))
+    inputs = {"slopes": torch.rand(4, generator=gen) * 0.1, "kb": torch.randn(2, 64, generator=gen), "rel": torch.randn(4, 127, generator=gen),
+              "sinks": torch.randn(4, generator=gen)}
+    do[:, :2] = 0  # the loss reads heads 2 and 3 only
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, *inputs.values())]
+    whole = kern(*leaves[:3], **dict(zip(inputs, leaves[3:])))
+    grads = torch.autograd.grad(whole, leaves, do)
+    wide = [t.double().requires_grad_() for t in (q, k, v, *inputs.values())]
+    ref = attngen.reference(kern, *wide[:3], dtype=torch.float64, **dict(zip(inputs, wide[3:])))
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    for g, r in zip(grads, ref_grads):
+        assert not torch.isnan(g).any() and torch.allclose(g.double(), r, rtol=1e-4, atol=1e-4 * r.abs().max().item())
+    part = [q[:, 2:].clone().requires_grad_(), k[:, 1:].clone().requires_grad_(), v[:, 1:].clone().requires_grad_(),
+            *(t.clone().requires_grad_() for t in inputs.values())]  # query heads 2 and 3, their key/value head 1
+    o, _ = _ring_attention(kern, _Ring.alone(), "contiguous", *part[:3], part[3:], 0.0, None, (2, 4))
+    part_grads = torch.autograd.grad(o, part, do[:, 2:])
+    for name, g, w in zip(("q", "k", "v", *inputs), part_grads, grads):
+        w = w[:, 2:] if name == "q" else w[:, 1:] if name in ("k", "v") else w
+        assert not torch.isnan(g).any() and torch.allclose(g, w, rtol=1e-5, atol=1e-6 * w.abs().max().item()), name
 
 
 def test_an_fp8_spec_is_refused_before_any_communication():

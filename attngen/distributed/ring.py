@@ -9,7 +9,10 @@ provably drop whole (attngen/lang/intervals.py, at the chunks' positions), the s
 give a partial O and log-sum-exp (O float32 from the Triton generator, the inputs' type from the Gluon one), merged
 into float32 in step order (so reruns are bit-identical). The backward sends the keys around again, with the
 float32 sums of dK and dV for them: each rank adds its part, in ring order, and a last step hands each shard's
-finished sums to its owner (in the inputs' element type). dQ stays on its rank. Expressions see positions in the
+finished sums to its owner (in the inputs' element type). dQ stays on its rank. Float inputs get their gradients:
+those the score reads from the shard kernels' terms (each pair's placed at its positions, or for reads at neither
+q_idx nor kv_idx the rows' sums over the chunks, combined once every key was seen), those a sink reads from its
+rows; each rank's reduced as one GPU does, then summed over the ranks. Expressions see positions in the
 whole sequence. Eager only: the point-to-point calls and the host's choice of chunk pairs are not traced."""
 from __future__ import annotations
 
@@ -17,13 +20,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..lang.expr import input_reads
 from ..lang.intervals import Truth, tile_env, truth
 from ..lang.spec import DType, KVLayout
 from ..runtime import Kernel
 from ..runtime.checks import Dims, check_call, check_direct_indices, dropout_args
 from ..runtime.evaluate import sink_rows
-from ..runtime.input_grads import LOG2E, reduce_input_grads, row_delta, sink_share_grads
+from ..runtime.input_grads import LOG2E, add_score_terms, add_sink_terms, grad_buffers, row_delta, shard_row_terms, sink_share_grads
 from ..runtime.kernel import LN2
 from ..runtime.loader import interpreted_if_cpu
 from ..runtime.shard import shard_backward, shard_forward, shard_kernel
@@ -104,12 +106,12 @@ def context_parallel(kern: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     sub-groups of `ulysses_size` consecutive ranks, the ring across them); see attngen/distributed/ulysses.py.
     Every method sees the query head h and draws dropout's pattern as one GPU does.
 
-    A sink joins each row of the merged result once; the inputs it reads get gradients, summed over the ranks
-    (with Ulysses running the kernel itself on each rank's heads, every float input gets its gradient). Every rank
-    must call it with equal shapes (checked once per group and shapes). Not supported: runtime block sparsity,
-    paged caches, packed sequences, gradients of inputs the score reads through the shard kernels (the ring, the
-    hybrid, and Ulysses where the spec has dropout or reads h other than as an input's index; ulysses.py),
-    torch.compile (eager only)."""
+    A sink joins each row of the merged result once. Float inputs that require grad get their gradients, summed
+    over the ranks, by every method: those the score reads from the terms of the shard kernels (the Triton
+    backward's; reads at q_idx or kv_idx give each pair of positions a float32 term, so such inputs cost the
+    memory of a chunk pair's scores) or of the kernel itself (Ulysses), those a sink reads from its rows. Every
+    rank must call it with equal shapes (checked once per group and shapes). Not supported: runtime block
+    sparsity, paged caches, packed sequences, torch.compile (eager only)."""
     if not isinstance(kern, Kernel):
         raise InputError(f"context_parallel takes a kernel from attngen.compile, got {type(kern).__name__}")
     if torch.compiler.is_compiling():
@@ -171,19 +173,12 @@ def _ring_attention(kern: Kernel, ring: _Ring, layout: str, q, k, v, tensors: li
         if chunk % 128:
             raise InputError(f"context_parallel with dropout needs chunks of a multiple of 128 tokens (the dropout pattern is drawn "
                              f"in groups of 64 keys at tile-aligned positions); this rank's chunks have {chunk}")
-    # the sink's inputs get gradients (summed over the ranks); the score's do not yet
-    sink_reads = {r.input for r in input_reads(spec.sink)} - {g.read.input for g in kern.plan.read_grads}
-    trained = [d.name for d, t in zip(spec.inputs, tensors) if t.requires_grad and d.name not in sink_reads]
-    if torch.is_grad_enabled() and trained:
-        raise InputError(f"context_parallel does not compute gradients of inputs the score reads through the shard kernels yet "
-                         f"({', '.join(trained)}; the ring, and Ulysses where the spec reads h in an expression or has dropout); "
-                         f"detach them")
     _check_same_shapes(ring, q, k)
     run = _Run(kern, ring, layout, n, tensors, p, seed_t, heads or (0, q.shape[1]))
-    sink_leaves = [(i, t) for i, (d, t) in enumerate(zip(spec.inputs, tensors)) if d.name in sink_reads and t.requires_grad]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_leaves):
-        run.sink_leaves = [i for i, _ in sink_leaves]
-        return _RingAttention.apply(run, q, k, v, *(t for _, t in sink_leaves))
+    leaves = [i for i, t in enumerate(tensors) if t.requires_grad] if torch.is_grad_enabled() else []
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or leaves):
+        run.leaves = leaves
+        return _RingAttention.apply(run, q, k, v, *(tensors[i] for i in leaves))
     return run.forward(q, k, v)
 
 
@@ -196,7 +191,7 @@ class _Run:
                  heads: tuple[int, int]):
         self.kern, self.ring, self.inputs, self.dropout_p, self.seed = kern, ring, inputs, dropout_p, seed
         self.heads = heads  # (the index of q's first head among the whole tensor's, their number): the kernels' h_offset, seq_heads
-        self.sink_leaves: list[int] = []  # which inputs (by position) the sink reads and get gradients
+        self.leaves: list[int] = []  # which inputs (by position) get gradients
         self._sinks: torch.Tensor | None = None  # the sink of every row (_sink), once evaluated
         self.seq_len = n * ring.world
         self.mine = chunks(layout, ring.rank, ring.world, n)
@@ -245,44 +240,77 @@ class _Run:
             self._sinks = every[:, first:first + heads] * LOG2E
         return self._sinks
 
-    def sink_grads(self, o, lse, do, dlse) -> list[torch.Tensor]:
-        """The gradients of the inputs the sink reads (self.sink_leaves), summed over the ranks: each row's d loss /
-        d sink, p_sink * (d loss / d lse - rowsum(dO * O)) with p_sink = 2^(sink - lse), placed at its position in
-        the whole sequence, reduced as one GPU does (runtime/input_grads.py), then all-reduced."""
+    def _add_pair_terms(self, grads: dict, uniform_rows: list, i: int, positions: tuple, terms: list) -> None:
+        """A chunk pair's terms of the gradients of the inputs the score reads (shard_backward with input_grads):
+        those of reads at q_idx or kv_idx placed at once at the pair's positions (and heads), the row sums of the
+        others added up for query chunk i, to be combined once every key was seen (_input_grads)."""
+        reads = self.kern.plan.read_grads
+        pairwise = [(g, t) for g, t in zip(reads, terms) if g.kind != "uniform"]
+        if pairwise:
+            add_score_terms(grads, self.kern.spec, self._dims, self._named, *zip(*pairwise), (0, self.heads[0], positions[0], positions[1]))
+        sums = [t for g, t in zip(reads, terms) if g.kind == "uniform"] + terms[len(reads):]  # then the rows' sums of P, P dP
+        if sums:
+            uniform_rows[i] = sums if uniform_rows[i] is None else [a.add_(b) for a, b in zip(uniform_rows[i], sums)]
+
+    def _input_grads(self, grads: dict, uniform_rows: list, o, lse, do, dlse) -> list[torch.Tensor]:
+        """The gradients of the inputs that get them (self.leaves), summed over the ranks: `grads` holds this rank's
+        pairwise terms so far (_add_pair_terms); here the rows' terms of score reads at neither q_idx nor kv_idx
+        (from their sums over every key, shard_row_terms) and each row's d loss / d sink, p_sink * (d loss / d lse
+        - rowsum(dO * O)) with p_sink = 2^(sink - lse), each at its position in the whole sequence and its head
+        among the whole tensor's, reduced as one GPU does (runtime/input_grads.py); then all-reduced."""
         spec = self.kern.spec
         batch, heads = o.shape[:2]
-        sink = self._sink(batch, heads, o.device)
-        first, total = self.heads
-        rows = sink.new_zeros((batch, total, self.seq_len))  # every head of the whole tensor: q's a slice of them
-        for c in self.mine:
+        first = self.heads[0]
+        sink = self._sink(batch, heads, o.device) if spec.sink is not None else None
+        uniform = [g for g in self.kern.plan.read_grads if g.kind == "uniform"]
+        for i, c in enumerate(self.mine):
+            if uniform_rows[i] is None:  # no key reached these rows: no terms
+                continue
             at = _rows(c)
-            delta = row_delta(o[:, :, at], do[:, :, at], None if dlse is None else dlse[:, :, at])
-            rows[:, first:first + heads, _positions(c)] = sink_share_grads(sink[:, :, _positions(c)], lse[:, :, at], delta)
-        named = {d.name: t.detach() for d, t in zip(spec.inputs, self.inputs)}
-        dims = Dims(batch, total, total, self.seq_len, self.seq_len)
-        grads = reduce_input_grads(spec, dims, named, [], [], rows)
+            *sums, row_sums = uniform_rows[i]
+            rows = [shard_row_terms(t, row_sums, lse[:, :, at], None if sink is None else sink[:, :, _positions(c)],
+                                    None if dlse is None else dlse[:, :, at]) for t in sums]
+            add_score_terms(grads, spec, self._dims, self._named, uniform, rows, (0, first, c.start, 0))
+        if sink is not None:
+            rows = sink.new_zeros((batch, self.heads[1], self.seq_len))  # every head of the whole tensor: q's a slice of them
+            for c in self.mine:
+                at = _rows(c)
+                delta = row_delta(o[:, :, at], do[:, :, at], None if dlse is None else dlse[:, :, at])
+                rows[:, first:first + heads, _positions(c)] = sink_share_grads(sink[:, :, _positions(c)], lse[:, :, at], delta)
+            add_sink_terms(grads, spec, self._dims, self._named, rows)
         out = []
-        for i in self.sink_leaves:
-            g = grads[spec.inputs[i].name].float()
+        for i in self.leaves:
+            g = grads[spec.inputs[i].name]
             if self.ring.world > 1:
                 dist.all_reduce(g, group=self.ring.group)
             out.append(g.to(self.inputs[i].dtype))
         return out
 
     def backward(self, q, k, v, o, lse, do, dlse):
-        """(dQ, dK, dV) of this rank's shards: dQ summed here, dK and dV summed around the ring in float32."""
+        """(dQ, dK, dV, [the gradients of the inputs self.leaves]) of this rank's shards: dQ summed here, dK and dV
+        summed around the ring in float32, the inputs' gradients summed over the ranks (_input_grads)."""
         qs, os, lses, dos, dlses = (self._split(t) for t in (q, o, lse, do, dlse))
         count = len(self.mine)
         kv = self._split(k) + self._split(v)
         dq = [None] * count
+        grads = None
+        if self.leaves:  # the inputs' gradients: the score's reads give terms from the shard kernels, added here
+            self._named = {d.name: t.detach() for d, t in zip(self.kern.spec.inputs, self.inputs)}
+            self._dims = Dims(q.shape[0], self.heads[1], self.heads[1], self.seq_len, self.seq_len)
+            grads = grad_buffers(self._named)
+        trained = {self.kern.spec.inputs[i].name for i in self.leaves}
+        input_grads = any(g.read.input in trained for g in self.kern.plan.read_grads)  # the shard kernels' terms wanted
+        uniform_rows = [None] * count  # per query chunk: the row sums of score reads at neither q_idx nor kv_idx
         sums = None  # the dK, dV sums of the keys this rank holds, on their way from the previous rank
         for step, pairs in enumerate(self.steps):
             last = step == self.ring.world - 1
             transfer = None if last else self.ring.send_recv(kv)
             parts = [None] * (2 * count)  # this rank's part of dK (key chunks), then of dV
             for i, j, positions in pairs:
-                dq_p, dk_p, dv_p = shard_backward(self.kern, qs[i], kv[j], kv[count + j], os[i], lses[i], dos[i], dlses[i],
-                                                             self.inputs, self.dropout_p, self.seed, positions + self.heads)
+                dq_p, dk_p, dv_p, *terms = shard_backward(self.kern, qs[i], kv[j], kv[count + j], os[i], lses[i], dos[i], dlses[i],
+                                                          self.inputs, self.dropout_p, self.seed, positions + self.heads, input_grads)
+                if terms:
+                    self._add_pair_terms(grads, uniform_rows, i, positions, terms[0])
                 dq[i] = dq_p.float() if dq[i] is None else dq[i].add_(dq_p)
                 for at, part in ((j, dk_p), (count + j, dv_p)):
                     parts[at] = part.float() if parts[at] is None else parts[at].add_(part)
@@ -304,7 +332,8 @@ class _Run:
         for i, c in enumerate(self.mine):
             if dq[i] is None:
                 dq[i] = q.new_zeros((*q.shape[:2], c.length, q.shape[3]), dtype=torch.float32)
-        return torch.cat(dq, 2).to(q.dtype), torch.cat(total[:count], 2), torch.cat(total[count:], 2)
+        inputs = self._input_grads(grads, uniform_rows, o, lse, do, dlse) if grads is not None else []
+        return torch.cat(dq, 2).to(q.dtype), torch.cat(total[:count], 2), torch.cat(total[count:], 2), inputs
 
 
 _PAIRS: dict = {}  # (mask, classify, layout, rank, world, n) -> _chunk_pairs' steps
@@ -367,7 +396,7 @@ def _merge(kern: Kernel, o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Te
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: _Run, q, k, v, *sink_inputs):
+    def forward(ctx, run: _Run, q, k, v, *inputs):
         ctx.set_materialize_grads(False)
         o, lse = run.forward(q, k, v)
         ctx.run = run
@@ -379,5 +408,5 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         if do is None:  # only the lse reaches the loss; every rank still joins the ring (the others need its part)
             do = torch.zeros_like(o)
-        dq, dk, dv = ctx.run.backward(q, k, v, o, lse, do.contiguous(), dlse)
-        return None, dq, dk, dv, *(ctx.run.sink_grads(o, lse, do, dlse) if ctx.run.sink_leaves else ())
+        dq, dk, dv, inputs = ctx.run.backward(q, k, v, o, lse, do.contiguous(), dlse)
+        return None, dq, dk, dv, *inputs

@@ -25,30 +25,67 @@ def reduce_input_grads(spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], 
         direct = _sums_of_rows(spec, dims, inputs, row_sink_grads)
         if direct is not None:
             return direct
-    grads = {name: torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.device.type == "cpu" else torch.float32)
-             for name, t in inputs.items() if t.is_floating_point()}
+    grads = grad_buffers(inputs)
+    add_score_terms(grads, spec, dims, inputs, reads, terms)
+    if row_sink_grads is not None:
+        add_sink_terms(grads, spec, dims, inputs, row_sink_grads)
+    return {name: g.to(inputs[name].dtype) for name, g in grads.items()}
+
+
+def grad_buffers(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Zeroed sums for the float inputs' gradients: float64 on the CPU, float32 on a GPU."""
+    return {name: torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.device.type == "cpu" else torch.float32)
+            for name, t in inputs.items() if t.is_floating_point()}
+
+
+def add_score_terms(grads: dict[str, torch.Tensor], spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], reads, terms,
+                    at: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
+    """grads (grad_buffers) += the gradients the dQ kernel's terms give the inputs the score reads, one term per read
+    (ReadGrad): (B, H, Nq, Nk) for reads at q_idx or kv_idx, (B, H, Nq) rows for the others. at: the positions of the
+    terms' first b, h, q_idx and kv_idx among the call's (a context-parallel shard's), which dims describe."""
     scope = Scope("score", SCORE_VARS, spec.inputs_by_name)
     index_inputs = {name: t.detach() for name, t in inputs.items() if not t.is_floating_point()}
     for g, term in zip(reads, terms):
         if g.kind == "direct":  # sum the term over the axes the read does not use, then place it
-            _add_direct(g.read, term, grads[g.read.input])
+            _add_direct(g.read, term, grads[g.read.input], at)
             continue
         if g.kind == "uniform":  # one element per (b, h): the rows' sums
             term = term.sum(2)
-        _scatter(g.read, term, grads[g.read.input], inputs[g.read.input].shape, dims, index_inputs, scope)
-    if row_sink_grads is not None:
-        sink_scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
-        values = {name: t.detach() for name, t in inputs.items()}
-        for read, slope in _sink_slopes(spec):
-            if not inputs[read.input].is_floating_point():
-                continue
-            if isinstance(slope, Const):  # gpt-oss's sinks[h]: d sink / d read = 1, nothing to evaluate
-                term = row_sink_grads.double() * slope.value
-            else:
-                slope = evaluate(slope, _axes_env(row_sink_grads, dims), values, sink_scope, torch.float64)
-                term = (row_sink_grads.double() * torch.as_tensor(slope, device=row_sink_grads.device).double()).broadcast_to(row_sink_grads.shape)
-            _scatter(read, term, grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
-    return {name: g.to(inputs[name].dtype) for name, g in grads.items()}
+        _scatter(g.read, term, grads[g.read.input], inputs[g.read.input].shape, dims, index_inputs, scope, at)
+
+
+def add_sink_terms(grads: dict[str, torch.Tensor], spec: Spec, dims: Dims, inputs: dict[str, torch.Tensor], row_sink_grads: torch.Tensor) -> None:
+    """grads (grad_buffers) += the gradients of the float inputs the sink reads, from each query row's d loss / d
+    sink (B, H, Nq) times d sink / d read there."""
+    sink_scope = Scope("sink", SINK_VARS, spec.inputs_by_name)
+    values = {name: t.detach() for name, t in inputs.items()}
+    for read, slope in _sink_slopes(spec):
+        if not inputs[read.input].is_floating_point():
+            continue
+        if isinstance(slope, Const):  # gpt-oss's sinks[h]: d sink / d read = 1, nothing to evaluate
+            term = row_sink_grads.double() * slope.value
+        else:
+            slope = evaluate(slope, _axes_env(row_sink_grads, dims), values, sink_scope, torch.float64)
+            term = (row_sink_grads.double() * torch.as_tensor(slope, device=row_sink_grads.device).double()).broadcast_to(row_sink_grads.shape)
+        _scatter(read, term, grads[read.input], inputs[read.input].shape, dims, values, sink_scope)
+
+
+def shard_row_terms(sums: torch.Tensor, row_sums: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None,
+                    dlse: torch.Tensor | None) -> torch.Tensor:
+    """The term of each query row (B, H, Nq) of a score read that does not depend on q_idx or kv_idx (kind
+    "uniform"), from what the shard kernels give over every shard of the row's keys, added: sums (2, B, H, Nq), the
+    row's sum of P dP d and of P d; row_sums (2, B, H, Nq), its sum of P and of P dP. As the kernel of a whole row
+    does, delta comes from the same P and dP (divided by the row's mass, P's sum plus a sink's share p_sink =
+    2^(sink - lse), which the rounding of lse keeps from being exactly 1): sum P dP d - delta * sum P d, with
+    delta = sum P dP / mass - d loss / d lse * log2(e). lse and sink (or None) in log2 units, dlse (or None) the
+    gradient reaching the lse in log2 units."""
+    mass = row_sums[0]
+    if sink is not None:
+        mass = mass + torch.where(lse == float("-inf"), 0.0, torch.exp2(sink - lse))
+    delta = row_sums[1] / torch.where(mass == 0.0, 1.0, mass)
+    if dlse is not None:
+        delta = delta - dlse.float() * LOG2E
+    return sums[0] - delta * sums[1]
 
 
 _SLOPES: dict[int, tuple[Spec, tuple]] = {}  # id(spec) -> (spec, its sink's reads and slopes); hashing a spec costs more
@@ -115,21 +152,24 @@ def row_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None) -> t
     return delta if dlse is None else delta - dlse.float() * LOG2E
 
 
-def _axes_env(term: torch.Tensor, dims: Dims) -> dict:
-    """b, h[, q_idx, kv_idx] as index tensors broadcasting over a term of shape (B, H[, Nq, Nk]), and the lengths."""
-    env = {name: torch.arange(n, device=term.device).view([n if a == axis else 1 for a in range(term.dim())])
+def _axes_env(term: torch.Tensor, dims: Dims, at: tuple[int, ...] = (0, 0, 0, 0)) -> dict:
+    """b, h[, q_idx, kv_idx] as index tensors broadcasting over a term of shape (B, H[, Nq, Nk]) whose first
+    element is at `at` among the call's, and the lengths."""
+    env = {name: (torch.arange(n, device=term.device) + at[axis]).view([n if a == axis else 1 for a in range(term.dim())])
            for axis, (name, n) in enumerate(zip(_AXES, term.shape))}
     return env | {"q_len": dims.q_len, "kv_len": dims.kv_len}
 
 
-def _scatter(read: Index, term: torch.Tensor, grad: torch.Tensor, shape, dims: Dims, inputs: dict, scope: Scope) -> None:
+def _scatter(read: Index, term: torch.Tensor, grad: torch.Tensor, shape, dims: Dims, inputs: dict, scope: Scope,
+             at: tuple[int, ...] = (0, 0, 0, 0)) -> None:
     """grad[read's indices at each element of the term] += that element: the indices evaluated at every (b, h[,
-    q_idx, kv_idx]) of the term; a read outside the input was 0 there, so it gets no gradient. A read at plain
-    indices (gpt-oss's sinks[h]) is the term summed along the other axes instead, on the device."""
+    q_idx, kv_idx]) of the term (its first element at `at`); a read outside the input was 0 there, so it gets no
+    gradient. A read at plain indices (gpt-oss's sinks[h]) is the term summed along the other axes instead, on
+    the device."""
     if _plain(read, term.dim()):
-        _add_direct(read, term, grad)
+        _add_direct(read, term, grad, at)
         return
-    env = _axes_env(term, dims)
+    env = _axes_env(term, dims, at)
     valid = torch.ones(term.shape, dtype=torch.bool, device=term.device)
     flat = torch.zeros(term.shape, dtype=torch.long, device=term.device)
     for i, size in zip(read.indices, shape):
@@ -147,9 +187,10 @@ def _plain(read: Index, ndim: int) -> bool:
             and all(isinstance(i, Var) or (isinstance(i, Const) and isinstance(i.value, int)) for i in read.indices))
 
 
-def _add_direct(read: Index, term: torch.Tensor, grad: torch.Tensor) -> None:
-    """grad[read's indices] += the term, (B, H, Nq, Nk) or its first axes, summed over the axes the read does not
-    name. A reduction along whole axes: the same order every run (deterministic), on the term's device."""
+def _add_direct(read: Index, term: torch.Tensor, grad: torch.Tensor, at: tuple[int, ...] = (0, 0, 0, 0)) -> None:
+    """grad[read's indices] += the term, (B, H, Nq, Nk) or its first axes whose first element is at `at`, summed
+    over the axes the read does not name. A reduction along whole axes: the same order every run
+    (deterministic), on the term's device."""
     axes = _AXES[:term.dim()]
     used = [i.name for i in read.indices if isinstance(i, Var)]
     t = term.sum(dim=[a for a, name in enumerate(axes) if name not in used]) if len(used) < len(axes) else term
@@ -157,8 +198,11 @@ def _add_direct(read: Index, term: torch.Tensor, grad: torch.Tensor) -> None:
     target, source = [], [slice(None)] * len(used)
     for i, size in zip(read.indices, grad.shape):
         if isinstance(i, Var):
-            n = min(size, t.shape[used.index(i.name)])
-            target.append(slice(0, n))
+            first = at[_AXES.index(i.name)]
+            n = min(size - first, t.shape[used.index(i.name)])
+            if n <= 0:
+                return  # past the input's end: read as 0, no gradient
+            target.append(slice(first, first + n))
             source[used.index(i.name)] = slice(0, n)
         elif 0 <= i.value < size:
             target.append(i.value)

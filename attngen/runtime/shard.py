@@ -38,18 +38,26 @@ def shard_forward(kernel, q, k, v, inputs, dropout_p: float, seed: torch.Tensor 
                             extra | {"positions": positions, "out_dtype": torch.float32})
 
 
-def shard_backward(kernel, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, ...]):
+def shard_backward(kernel, q, k, v, o, lse, do, dlse, inputs, dropout_p: float, seed: torch.Tensor | None, positions: tuple[int, ...],
+                   input_grads: bool = False):
     """(dQ, dK, dV) of one shard pair (as shard_forward's): the contributions of q's rows and k's keys to the
     whole attention's gradients, from its O and lse (log2 units) and dO, dlse (or None). float32, but dK and
-    dV in k's element type from the Gluon backward."""
+    dV in k's element type from the Gluon backward. input_grads (a spec whose score reads float inputs): the
+    Triton backward, which also gives the pair's unreduced terms of those inputs' gradients (its module's
+    attention_backward says which: each pair's for reads at q_idx or kv_idx, the rows' sums for the others),
+    (dQ, dK, dV, terms)."""
     kern = shard_kernel(kernel)
     lse = lse.contiguous()  # the kernels index the lse (and dlse) as (B, H, rows) rows
     dlse = None if dlse is None else dlse.contiguous()
     extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
-    if kern._gluon_backward(positions[2], positions[3], k.shape[2]) and is_sm90(q.device):  # dK, dV in k's and v's element type
+    if not input_grads and kern._gluon_backward(positions[2], positions[3], k.shape[2]) and is_sm90(q.device):  # dK, dV in k's and v's element type
         return kern.gluon.attention_backward(q, k, v, o.contiguous(), lse, do.contiguous(), dlse, *inputs, **extra, positions=positions,
                                              grad_dtype=torch.float32)
     if q.device.type == "cpu" and kern.spec.dtype is DType.BF16:
         kern, (q, k, v, o, do), inputs = kern._twin(), up(q, k, v, o, do), up(*inputs)
-    return kern._run_triton("bwd", kern.module.attention_backward, dims_of(q, k), ("dropout",) if dropout_p else (),
-                            (q, k, v, o, lse, do, dlse, *inputs), extra | {"positions": positions, "grad_dtype": torch.float32})
+    flags = tuple(f for f, on in (("dropout", dropout_p), ("input_grads", input_grads)) if on)
+    if input_grads:
+        extra["input_grads"] = True
+    dq, dk, dv, *terms = kern._run_triton("bwd", kern.module.attention_backward, dims_of(q, k), flags, (q, k, v, o, lse, do, dlse, *inputs),
+                                          extra | {"positions": positions, "grad_dtype": torch.float32})
+    return (dq, dk, dv, terms[0]) if input_grads else (dq, dk, dv)
