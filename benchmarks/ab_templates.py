@@ -7,7 +7,8 @@ against an identical first (an A/A test on the H100, 2026-11-26).
                                       [--specs dense causal] [--dims 128 64] [--seq 4096 16384] [--json OUT.json]
 
 Declared inputs: specs/document.attn's document ids as `attngen bench` draws them (256-2048 tokens), other inputs `attngen check`'s random
-values (not runtime block sparsity); TFLOP/s count kept pairs.
+values (not runtime block sparsity); TFLOP/s count kept pairs. A static block pattern's lists (KernelPlan.block_lists)
+go to each module whose Triton launchers take them (an older tree's classify the pattern's tiles instead).
 
 For a change outside the templates (the expressions' lowering, the plan), --a-tree DIR renders A with another
 attngen tree instead (DIR holding its attngen/ and templates/, e.g. `git archive HEAD attngen templates | tar -x -C
@@ -21,6 +22,7 @@ backwards where both have one (the Gluon templates before 2026-11-25 held only t
 import argparse
 import hashlib
 import importlib
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -33,6 +35,7 @@ from attngen.codegen import Templates  # noqa: E402
 from attngen.codegen.gluon import plan_gluon  # noqa: E402
 from attngen.codegen.gluon.render import context as gluon_context  # noqa: E402
 from attngen.plan.planner import plan as make_plan  # noqa: E402
+from attngen.runtime.blocks import pattern_lists  # noqa: E402
 from attngen.runtime.loader import load_module as _load  # noqa: E402
 from attngen.tools import verify  # noqa: E402
 from harness import median_ms, save_results, shipped_spec, versions  # noqa: E402
@@ -109,19 +112,23 @@ def main():
                 given = {i.name: given[i.name] for i in spec.inputs}
                 inputs = tuple(given.values())
                 flop = 4 * bsz * h * n * n * d * kept_fraction(spec, given, bsz, h, n, n, "cuda")
+                # a static block pattern's lists, for a module whose Triton kernels walk them (KernelPlan.block_lists)
+                lists = pattern_lists(spec, bsz, h, n, n, "cuda") if args.generator == "triton" and plan.block_lists else None
+                extra = {key: {"blocks": lists} if lists is not None and "blocks" in inspect.signature(mod.attention_forward).parameters else {}
+                         for key, mod in mods.items()}
                 outs = {}
                 for key, mod in mods.items():
-                    o, lse = mod.attention_forward(q, k, v, *inputs)
-                    outs[key] = (o, lse) + (tuple(mod.attention_backward(q, k, v, o, lse, do, None, *inputs)) if "bwd" in parts else ())
+                    o, lse = mod.attention_forward(q, k, v, *inputs, **extra[key])
+                    outs[key] = (o, lse) + (tuple(mod.attention_backward(q, k, v, o, lse, do, None, *inputs, **extra[key])) if "bwd" in parts else ())
                 err = max((x.float() - y.float()).abs().max().item() for x, y in zip(outs["A"], outs["B"]))
                 nan = any(torch.isnan(x).any().item() for x in outs["B"])
                 times = {(key, part): [] for key in mods for part in parts}
                 for r in range(args.rounds):
                     for key, mod in (list(mods.items()) if r % 2 == 0 else list(mods.items())[::-1]):
                         o, lse = outs[key][:2]
-                        times[key, "fwd"].append(median_ms(lambda: mod.attention_forward(q, k, v, *inputs)))
+                        times[key, "fwd"].append(median_ms(lambda: mod.attention_forward(q, k, v, *inputs, **extra[key])))
                         if "bwd" in parts:
-                            times[key, "bwd"].append(median_ms(lambda: mod.attention_backward(q, k, v, o, lse, do, None, *inputs)))
+                            times[key, "bwd"].append(median_ms(lambda: mod.attention_backward(q, k, v, o, lse, do, None, *inputs, **extra[key])))
                 row = {"spec": name, "d": d, "N": n, "max_diff": err, "nan": nan}
                 for part, mult in (("fwd", 1.0), ("bwd", 2.5))[:len(parts)]:
                     a, b = min(times["A", part]), min(times["B", part])

@@ -128,3 +128,24 @@ def test_block_lists_of_the_last_mask_are_reused_until_it_changes(device, target
     check(other)
     check(other, batch=1)  # the same (1, 1, rows, cols) mask for another batch size: lists of other shapes
     assert len(conversions) == 10
+
+
+def test_a_static_pattern_runs_as_a_runtime_mask_of_its_blocks(device, target):
+    """A static block pattern (KernelPlan.block_lists) walks the lists of its kept blocks, made from the pattern once
+    per call sizes and device: the same tiles, in the same order, as runtime block sparsity given the pattern's
+    block mask (computed here from the bits of i ^ j), so the same bits forward and backward."""
+    pattern = "((q_blk ^ kv_blk) & ((q_blk ^ kv_blk) - 1)) == 0 or (h == 1 and kv_blk == 0)"
+    text = SPARSE.format(extra="mask = q_idx >= kv_idx")
+    static = attngen.compile(text.replace("sparsity = runtime", f"sparsity = {pattern}"), target)
+    runtime = attngen.compile(text, target)
+    assert static.plan.block_lists and static.plan.tile_sizes == runtime.plan.tile_sizes
+    q, k, v = _qkv(device, nq=150, nk=150)  # 5 blocks of 32 each way
+    mask = torch.tensor([[[bin(i ^ j).count("1") <= 1 or (h == 1 and j == 0) for j in range(5)] for i in range(5)] for h in range(4)])
+    assert not mask.all() and (mask[1] != mask[0]).any()  # holes, and a head of its own
+    got = _run(static, q, k, v)
+    want = _run(runtime, q, k, v, block_mask=mask[None].to(device))
+    assert not any(torch.isnan(t).any() for t in got)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    _run(static, q, k, v)
+    assert len(static._patterns) == 1  # the same sizes: the lists made once

@@ -134,6 +134,24 @@ def test_static_sparsity_joins_the_mask():
     assert format_expr(p.mask) == "q_idx >= kv_idx and abs(q_idx // 64 - kv_idx // 64) <= 1"
 
 
+def test_a_static_block_pattern_is_walked_as_lists_where_every_tile_lies_in_one_block():
+    """KernelPlan.block_lists: the Triton kernels walk a pattern's kept blocks (made once per shape from the
+    pattern) where the pattern reads no length (every tile lies inside one block: the planner keeps tiles within
+    sparse_block, even a spec's own); otherwise
+    they classify tiles against it (the mask above, with the pattern folded in)."""
+    pattern = "sparsity = ((q_blk ^ kv_blk) & ((q_blk ^ kv_blk) - 1)) == 0 or h == 1 sparse_block = 64"
+    assert plan(_spec(pattern, d=64), "h100").block_lists
+    assert plan(_spec("mask = q_idx >= kv_idx " + pattern, d=64), "h100").block_lists
+    p = plan(_spec(pattern, d=64), "h100")
+    assert not dataclasses.replace(p, global_positions=True).block_lists  # a shard's kernels: positions of the whole sequence
+    assert not plan(_spec(pattern, d=64), "h100", classify=False).block_lists
+    wide = plan(_spec(pattern + " block_m = 128", d=64), "h100")
+    assert max(wide.tile_sizes) <= 64 and wide.block_lists
+    for extra in ("sparsity = kv_blk < kv_len // 64 sparse_block = 64",  # a length: packed sequences would differ
+                  "sparsity = runtime sparse_block = 64", "mask = q_idx >= kv_idx"):
+        assert not plan(_spec(extra, d=64), "h100").block_lists, extra
+
+
 def test_derivative_planned_for_score_mods():
     p = plan(_spec("score = 30.0 * tanh(score / 30.0)"), "h100")
     assert p.dscore is not None

@@ -33,8 +33,8 @@ def _inputs(kern, device, gen):
 # every shipped spec but those whose features packed calls refuse (runtime sparsity, kv_outer, a paged cache:
 # test_decode.py) and dropout's (its pattern depends on b, so a sequence alone is another pattern:
 # test_dropout_with_packed_sequences_...)
-# (and of the static block patterns one, strided_blocks: butterfly's and local_global's tiles are classified by the same
-# code, which test_numerics.py checks for each)
+# (and of the static block patterns one, strided_blocks: butterfly's and local_global's kernels walk their lists by the
+# same code, which test_numerics.py checks for each)
 PACKED_SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.attn")
                       if p.stem not in ("block_sparse_runtime", "causal_fa1", "causal_dropout", "paged_decode", "mla_decode",
                                         "butterfly_blocks", "local_global_blocks"))

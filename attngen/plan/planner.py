@@ -188,6 +188,22 @@ class KernelPlan:
         return MIN_TILE, hi
 
     @property
+    def block_lists(self) -> bool:
+        """Whether the Triton kernels walk lists of the blocks a static block pattern keeps, as runtime block sparsity's
+        do, instead of classifying every tile of a row against the pattern and skipping the holes one tile at a time
+        (attngen.runtime.Kernel evaluates the pattern once per shape on the device: runtime/blocks.py). For a
+        pattern of the block indices, b and h alone (no length: the same lists for every sequence of a packed
+        call), in a plain call's classified kernels, each tile inside one block (no tile larger than
+        sparse_block, both powers of two): inside a kept block the pattern keeps every pair, so the tiles see the spec's mask
+        alone."""
+        s = self.spec
+        if not isinstance(s.sparsity, Expr) or not self.classify or self.global_positions:
+            return False
+        if ex.variables(s.sparsity) & {"q_len", "kv_len"}:
+            return False
+        return self.tile_limits[1] <= s.sparse_block  # (tiles and sparse_block are powers of two: a tile lies in one block)
+
+    @property
     def may_mask_rows(self) -> bool:
         """Whether a query row may have kept no key at some step (so the kernels need their 0/0 and -inf
         guards). Not when the mask provably keeps key 0 in every row (causal, prefix-LM: the forward visits a

@@ -1,4 +1,5 @@
-"""Runtime block sparsity (`sparsity = runtime`): block masks and the kept-block lists the kernels walk.
+"""Runtime block sparsity (`sparsity = runtime`): block masks and the kept-block lists the kernels walk; the same
+lists for a static block pattern (pattern_lists), which the Triton generator's kernels walk likewise.
 
 A block mask is a bool tensor (B or 1, H or 1, ceil(Nq / S), ceil(Nk / S)) for the spec's `sparse_block` S:
 block (i, j) keeps the pairs q_idx in [i S, (i + 1) S), kv_idx in [j S, (j + 1) S) that the spec's mask keeps;
@@ -14,6 +15,8 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
+from ..lang.expr import SPARSITY_VARS, Scope, variables
+from .evaluate import evaluate
 
 
 def block_mask_from(fn: Callable, q_len: int, kv_len: int, *, sparse_block: int = 128, batch: int = 1, heads: int = 1,
@@ -64,6 +67,23 @@ def block_lists(block_mask, sparse_block: int, batch: int, heads: int, q_len: in
     if block_mask.device != device:
         raise InputError(f"block_mask is on {block_mask.device}, q on {device}")
     return tuple(_lists(m).expand(batch, heads, -1, -1) for m in (block_mask, block_mask.transpose(-1, -2)))
+
+
+def pattern_lists(spec, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static block pattern's lists (KernelPlan.block_lists: `sparsity = <expression of q_blk, kv_blk, b, h>`), as
+    block_lists gives a block mask's: the expression evaluated at every pair of blocks of a call of these sizes, on
+    `device` (exact integers, float64 where it computes floats, as the reference does), over b and h only where it
+    reads them."""
+    size = spec.sparse_block
+    rows, cols = -(-q_len // size), -(-kv_len // size)
+    names = variables(spec.sparsity)
+    shape = (batch if "b" in names else 1, heads if "h" in names else 1, rows, cols)
+    env = {name: torch.arange(n, device=device).view([n if a == axis else 1 for a in range(4)])
+           for axis, (name, n) in enumerate(zip(("b", "h", "q_blk", "kv_blk"), shape))}
+    env |= {"q_len": q_len, "kv_len": kv_len}
+    scope = Scope("sparsity", SPARSITY_VARS, spec.inputs_by_name)
+    kept = torch.as_tensor(evaluate(spec.sparsity, env, {}, scope, torch.float64), device=device).to(torch.bool)
+    return block_lists(kept.broadcast_to(shape).contiguous(), size, batch, heads, q_len, kv_len, torch.device(device))
 
 
 def _lists(block_mask: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ attngen/codegen/expr.py; no spec text reaches them.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...lang import expr as ex
@@ -32,21 +33,25 @@ def context(plan: KernelPlan) -> dict:
     helpers: set[str] = set()
     q_outer = plan.loop_order is LoopOrder.Q_OUTER
     pos = plan.global_positions
-    fwd = lower_for_kernel(plan, frozenset({"kv_idx", "score"} if q_outer else {"q_idx", "score"}), False, helpers, global_positions=pos)
-    dkdv = lower_for_kernel(plan, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos)
-    dq = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), True, helpers, want_read_grads=True, global_positions=pos)
+    # with a static block pattern's lists (KernelPlan.block_lists) the training kernels visit kept blocks only, where the
+    # pattern keeps every pair: they see the spec's own mask; the decode kernels, which walk no lists, see both
+    train = dataclasses.replace(plan, mask=spec.mask) if plan.block_lists else plan
+    fwd = lower_for_kernel(train, frozenset({"kv_idx", "score"} if q_outer else {"q_idx", "score"}), False, helpers, global_positions=pos)
+    dkdv = lower_for_kernel(train, frozenset({"q_idx", "h", "score"}), True, helpers, global_positions=pos)
+    dq = lower_for_kernel(train, frozenset({"kv_idx", "score"}), True, helpers, want_read_grads=True, global_positions=pos)
     decode = lower_for_kernel(plan, frozenset({"kv_idx", "score"}), False, helpers)  # h and q_idx: one per row, set once
     sink = lower_sink(plan, "sink_rows", helpers)
     tile_class = None
-    if plan.mask is not None and plan.classify:
+    if train.mask is not None and plan.classify:
         scope = ex.Scope("mask", ex.MASK_VARS, spec.inputs_by_name)
-        tile_class = lower_tile_class(plan.mask, scope)
+        tile_class = lower_tile_class(train.mask, scope)
         if tile_class is not None:
             helpers |= tile_class.helpers
     # plain training calls (nothing but q, k, v and the inputs) keep their launches' arguments by call signature and
     # replay them (attngen.runtime.launch.Recipe); calls whose launchers make tensors of their own (TMA copies, the
-    # inputs' pre-pass summaries, dropout seeds, FP8 copies) decide again at every call
-    recorded = not (plan.tma or spec.dropout > 0.0 or spec.sparsity == "runtime" or plan.dtype is DType.FP8
+    # inputs' pre-pass summaries, dropout seeds, FP8 copies) or take block lists decide again at every call
+    lists = spec.sparsity == "runtime" or plan.block_lists
+    recorded = not (plan.tma or spec.dropout > 0.0 or lists or plan.dtype is DType.FP8
                     or (tile_class is not None and bool(tile_class.bounds)))
     return {
         "name": spec.name,
@@ -58,12 +63,14 @@ def context(plan: KernelPlan) -> dict:
         "loop_order": plan.loop_order.value,
         "scale": repr(float(plan.scale)),
         "qk_scale_log2": repr(float(plan.scale) * LOG2E),
-        "has_mask": plan.mask is not None,
+        "has_mask": train.mask is not None,
         "classify": plan.classify,
         "has_score": plan.score is not None,
         "sink": sink,  # the sink's code (SinkCode), or None
         "has_dropout": plan.spec.dropout > 0.0,
-        "runtime_sparsity": spec.sparsity == "runtime",
+        # the kernels walk lists of kept blocks (blocks=): runtime block sparsity's, or a static pattern's
+        "runtime_sparsity": lists,
+        "pattern_lists": plan.block_lists,
         "guard_rows": plan.may_mask_rows,
         "positions": plan.global_positions,
         "fp8": plan.dtype is DType.FP8,
@@ -94,7 +101,8 @@ def context(plan: KernelPlan) -> dict:
         "dq": dq,
         "tile_class": tile_class,
         # a block pattern leaves holes (empty tiles) inside the range of tiles a row visits: the loops skip them
-        "skip_holes": tile_class is not None and isinstance(spec.sparsity, Expr),
+        # (not where they walk its lists)
+        "skip_holes": tile_class is not None and isinstance(spec.sparsity, Expr) and not plan.block_lists,
         "decode_code": decode,
         # runtime block masks are not read by the decode kernels
         "has_decode": spec.sparsity != "runtime",
