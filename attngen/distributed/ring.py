@@ -8,8 +8,8 @@ r holds the keys of rank r - s; for every pair of its query chunks and those key
 provably drop whole (attngen/lang/intervals.py, at the chunks' positions), the shard kernels (attngen/runtime/shard.py)
 give a partial O and log-sum-exp (O float32 from the Triton generator, the inputs' type from the Gluon one), merged
 into float32 in step order (so reruns are bit-identical). The backward sends the keys around again, with the
-float32 sums of dK and dV for them: each rank adds its part, in ring order, and a last step hands each shard's
-finished sums to its owner (in the inputs' element type). dQ stays on its rank. Float inputs get their gradients:
+float32 sums of dK and dV for them: each rank adds its part, in ring order, and the last step hands each key chunk's
+finished sums to its owner (in the inputs' element type) as soon as that chunk's pairs are done, under the next chunk's. dQ stays on its rank. Float inputs get their gradients:
 those the score reads from the shard kernels' terms (each pair's placed at its positions, or for reads at neither
 q_idx nor kv_idx the rows' sums over the chunks, combined once every key was seen), those a sink reads from its
 rows; each rank's reduced as one GPU does, then summed over the ranks. Expressions see positions in the
@@ -302,38 +302,53 @@ class _Run:
         input_grads = any(g.read.input in trained for g in self.kern.plan.read_grads)  # the shard kernels' terms wanted
         uniform_rows = [None] * count  # per query chunk: the row sums of score reads at neither q_idx nor kv_idx
         sums = None  # the dK, dV sums of the keys this rank holds, on their way from the previous rank
+        handed = []  # the last step's transfers: each key chunk's finished dK, dV, to their owner
         for step, pairs in enumerate(self.steps):
             last = step == self.ring.world - 1
             transfer = None if last else self.ring.send_recv(kv)
             parts = [None] * (2 * count)  # this rank's part of dK (key chunks), then of dV
-            for i, j, positions in pairs:
-                dq_p, dk_p, dv_p, *terms = shard_backward(self.kern, qs[i], kv[j], kv[count + j], os[i], lses[i], dos[i], dlses[i],
-                                                          self.inputs, self.dropout_p, self.seed, positions + self.heads, input_grads)
-                if terms:
-                    self._add_pair_terms(grads, uniform_rows, i, positions, terms[0])
-                dq[i] = dq_p.float() if dq[i] is None else dq[i].add_(dq_p)
-                for at, part in ((j, dk_p), (count + j, dv_p)):
-                    parts[at] = part.float() if parts[at] is None else parts[at].add_(part)
-            # the sums so far: the ranks before this one in ring order, then this rank's part
-            if sums is None:
-                total = [p if p is not None else torch.zeros_like(kv[at], dtype=torch.float32) for at, p in enumerate(parts)]
-            else:
-                total = sums.wait()
-                for at, part in enumerate(parts):
-                    if part is not None:
-                        total[at].add_(part)
-            if last:  # complete: to their owner in the inputs' element type (what the owner would round them to)
-                total = [t.to(k.dtype) for t in total]
-            # to the next rank, which holds these keys next (after the last step: their owner)
-            sums = self.ring.send_recv(total) if self.ring.world > 1 else _Done(total)
+            received = None  # (the last step) the sums from the previous rank, once waited for
+            # at the last step the pairs go key chunk by key chunk: a chunk's sums leave for their owner as soon as
+            # they are complete, under the next chunk's pairs (each dQ chunk still adds its key chunks in order)
+            for chunk in range(count) if last else (None,):
+                for i, j, positions in pairs:
+                    if chunk is not None and j != chunk:
+                        continue
+                    dq_p, dk_p, dv_p, *terms = shard_backward(self.kern, qs[i], kv[j], kv[count + j], os[i], lses[i], dos[i], dlses[i],
+                                                              self.inputs, self.dropout_p, self.seed, positions + self.heads, input_grads)
+                    if terms:
+                        self._add_pair_terms(grads, uniform_rows, i, positions, terms[0])
+                    dq[i] = dq_p.float() if dq[i] is None else dq[i].add_(dq_p)
+                    for at, part in ((j, dk_p), (count + j, dv_p)):
+                        parts[at] = part.float() if parts[at] is None else parts[at].add_(part)
+                if chunk is None:
+                    continue
+                if received is None and sums is not None:
+                    received = sums.wait()
+                # complete: to their owner in the inputs' element type (what the owner would round them to)
+                done = [_added(received, parts, at, kv).to(k.dtype) for at in (chunk, count + chunk)]
+                handed.append(self.ring.send_recv(done) if self.ring.world > 1 else _Done(done))
+            if not last:  # the sums so far (the ranks before this one in ring order, then this rank's part), to the next rank
+                received = None if sums is None else sums.wait()
+                total = [_added(received, parts, at, kv) for at in range(2 * count)]
+                sums = self.ring.send_recv(total)
             if transfer is not None:
                 kv = transfer.wait()
-        total = sums.wait()
         for i, c in enumerate(self.mine):
             if dq[i] is None:
                 dq[i] = q.new_zeros((*q.shape[:2], c.length, q.shape[3]), dtype=torch.float32)
+        dq = torch.cat(dq, 2).to(q.dtype)  # under the last transfers
+        done = [t.wait() for t in handed]  # (dK, dV) of each key chunk of this rank
         inputs = self._input_grads(grads, uniform_rows, o, lse, do, dlse) if grads is not None else []
-        return torch.cat(dq, 2).to(q.dtype), torch.cat(total[:count], 2), torch.cat(total[count:], 2), inputs
+        return dq, torch.cat([d[0] for d in done], 2), torch.cat([d[1] for d in done], 2), inputs
+
+
+def _added(received: list | None, parts: list, at: int, kv: list) -> torch.Tensor:
+    """The float32 sums of kv[at]'s gradient so far: those received (None: this rank's part is the first), plus this
+    rank's part (None: it had no pair with those keys)."""
+    if received is None:
+        return parts[at] if parts[at] is not None else torch.zeros_like(kv[at], dtype=torch.float32)
+    return received[at] if parts[at] is None else received[at].add_(parts[at])
 
 
 _PAIRS: dict = {}  # (mask, classify, layout, rank, world, n) -> _chunk_pairs' steps
