@@ -60,6 +60,11 @@ def test_plan_draws_the_tile_map(capsys):
     out = capsys.readouterr().out
     assert "+...\n#+..\n##+.\n###+\n" in out
     assert "full 6, partial 4, empty 6 of 16 tiles; 62.5% must be visited" in out
+    assert "kept blocks as lists" not in out
+    # a block pattern: the map of its tiles, and the lists the Triton kernels walk instead of the holes between them
+    assert main(["plan", str(ROOT / "specs" / "butterfly_blocks.attn"), "--target", "h100", "--seq", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "###.#...\n##.#.#..\n" in out and "walk the block pattern's kept blocks as lists" in out
 
 
 def test_targets_lists_the_table(capsys):

@@ -98,6 +98,9 @@ def cmd_plan(args) -> int:
             print("(proved by interval analysis of the mask: the kernels skip empty tiles and run full ones without masking;\n"
                   " parts of a mask that read inputs are undecided here, so such tiles count as partial; the kernels\n"
                   " decide them at run time from the inputs' per-chunk minima and maxima)")
+            if p.block_lists:
+                print("(the Triton kernels walk the block pattern's kept blocks as lists, made once per call sizes from the\n"
+                      " pattern: a row visits its kept tiles only, none of the empty ones between them)")
     return 0
 
 
