@@ -64,10 +64,12 @@ RERUN = {("causal", "zigzag", "hybrid")}
 # Ulysses and hybrid (2 x 2 with four ranks): (spec, layout, method). ALiBi's slopes get gradients through Ulysses
 # (the kernel itself on each rank's heads); with four ranks the two key/value heads each go to two ranks (their
 # gradients summed), a sink's input too. Dropout (Ulysses) and a mask reading h (hybrid) run the shard kernels with
-# a head offset: the same pattern and heads as one process; the hybrid's bias, its inputs' gradients through them
-METHOD_CASES = {2: [("alibi", "contiguous", "ulysses"), ("dropout", "contiguous", "ulysses")],
+# a head offset: the same pattern and heads as one process; the hybrid's bias, its inputs' gradients through them.
+# With the ring's cases above: causal, window, documents and ALiBi by each method
+METHOD_CASES = {2: [("alibi", "contiguous", "ulysses"), ("dropout", "contiguous", "ulysses"), ("document", "zigzag", "ulysses"),
+                    ("window", "contiguous", "ulysses")],
                 4: [("causal", "zigzag", "hybrid"), ("sink", "zigzag", "ulysses"), ("head_mask", "zigzag", "hybrid"),
-                    ("bias", "zigzag", "hybrid")]}
+                    ("bias", "zigzag", "hybrid"), ("document", "zigzag", "hybrid"), ("alibi", "contiguous", "hybrid")]}
 
 
 def _data(name, n):
