@@ -8,12 +8,12 @@ r holds the keys of rank r - s; for every pair of its query chunks and those key
 provably drop whole (attngen/lang/intervals.py, at the chunks' positions), the shard kernels (attngen/runtime/shard.py)
 give a partial O and log-sum-exp (O float32 from the Triton generator, the inputs' type from the Gluon one), merged
 into float32 in step order (so reruns are bit-identical). The backward sends the keys around again, with the
-float32 sums of dK and dV for them: each rank adds its part, in ring order, and the last step hands each key chunk's
-finished sums to its owner (in the inputs' element type) as soon as that chunk's pairs are done, under the next chunk's. dQ stays on its rank. Float inputs get their gradients:
-those the score reads from the shard kernels' terms (each pair's placed at its positions, or for reads at neither
-q_idx nor kv_idx the rows' sums over the chunks, combined once every key was seen), those a sink reads from its
-rows; each rank's reduced as one GPU does, then summed over the ranks. Expressions see positions in the
-whole sequence. Eager only: the point-to-point calls and the host's choice of chunk pairs are not traced."""
+float32 sums of dK and dV for them: each rank adds its part, in ring order, and the last step hands each key
+chunk's finished sums to its owner (in the inputs' element type) as soon as that chunk's pairs are done, under the
+next chunk's. dQ stays on its rank. Float inputs get their gradients: those the score reads from the shard
+kernels' terms (each pair's placed at its positions, or for reads at neither q_idx nor kv_idx the rows' sums over
+the chunks, combined once every key was seen), those a sink reads from its rows; each rank's reduced as one GPU
+does, then summed over the ranks. Expressions see positions in the whole sequence. Eager only: the point-to-point calls and the host's choice of chunk pairs are not traced."""
 from __future__ import annotations
 
 import torch
