@@ -13,7 +13,8 @@ chunk's finished sums to its owner (in the inputs' element type) as soon as that
 next chunk's. dQ stays on its rank. Float inputs get their gradients: those the score reads from the shard
 kernels' terms (each pair's placed at its positions, or for reads at neither q_idx nor kv_idx the rows' sums over
 the chunks, combined once every key was seen), those a sink reads from its rows; each rank's reduced as one GPU
-does, then summed over the ranks. Expressions see positions in the whole sequence. Eager only: the point-to-point calls and the host's choice of chunk pairs are not traced."""
+does, then summed over the ranks. Expressions see positions in the whole sequence. Eager only: the
+point-to-point calls and the host's choice of chunk pairs are not traced."""
 from __future__ import annotations
 
 import torch

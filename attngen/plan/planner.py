@@ -194,8 +194,8 @@ class KernelPlan:
         (attngen.runtime.Kernel evaluates the pattern once per shape on the device: runtime/blocks.py). For a
         pattern of the block indices, b and h alone (no length: the same lists for every sequence of a packed
         call), in a plain call's classified kernels, each tile inside one block (no tile larger than
-        sparse_block, both powers of two): inside a kept block the pattern keeps every pair, so the tiles see the spec's mask
-        alone."""
+        sparse_block, both powers of two): inside a kept block the pattern keeps every pair, so the tiles see
+        the spec's mask alone."""
         s = self.spec
         if not isinstance(s.sparsity, Expr) or not self.classify or self.global_positions:
             return False

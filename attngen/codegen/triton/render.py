@@ -69,7 +69,7 @@ def context(plan: KernelPlan) -> dict:
         "sink": sink,  # the sink's code (SinkCode), or None
         "has_dropout": plan.spec.dropout > 0.0,
         # the kernels walk lists of kept blocks (blocks=): runtime block sparsity's, or a static pattern's
-        "runtime_sparsity": lists,
+        "block_lists": lists,
         "pattern_lists": plan.block_lists,
         "guard_rows": plan.may_mask_rows,
         "positions": plan.global_positions,
