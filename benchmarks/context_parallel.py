@@ -4,8 +4,9 @@
                                                                [--ulysses-size 2] [--kv-heads 16] [--out results.json]
 
 1. Correctness, bf16: every rank's shard of O, dQ, dK, dV (gathered) against the one-GPU kernel and the float64
-   reference (N = 4096; the reference's budget as in attngen.tools.verify), causal / window / documents / ALiBi with
-   grouped-query heads, both layouts; at the largest length, O against the float64 reference on sampled rows.
+   reference (N = 4096; the reference's budget as in attngen.tools.verify), causal / window / documents / ALiBi / a
+   relative bias with grouped-query heads (ALiBi's slopes and the bias table with their gradients), both layouts; at
+   the largest length, O against the float64 reference on sampled rows.
 2. Strong scaling, causal, d = 128, H = 16, bf16: the one-GPU kernel (rank 0 alone; the default generators, and
    the Triton generator's) against context_parallel on every GPU (zigzag) with the same kernels, forward and
    forward + backward; the same ring with its transfers replaced by local copies (the exposed communication is
@@ -67,8 +68,9 @@ SEED = 1234
 
 
 def check(name, layout, n, heads=8, kv_heads=2, backend=None, method="ring", ulysses_size=None):
-    """CP against the one-GPU kernel and the float64 reference at n tokens. backend="gluon": both passes of the
-    shards through the Gluon generator at any length (under auto, short chunks take the Triton backward)."""
+    """CP against the one-GPU kernel and the float64 reference at n tokens, the gradients of the spec's float inputs
+    (ALiBi's slopes, a relative bias's table) included. backend="gluon": both passes of the shards through the Gluon
+    generator at any length (under auto, short chunks take the Triton backward; input gradients always do)."""
     kern = attngen.compile(SPECS / f"{name}.attn", backend=backend)
     how = {} if method == "ring" else {"method": method, "ulysses_size": ulysses_size if method == "hybrid" else None}
     drop = {"seed": SEED} if kern.spec.dropout else {}
@@ -78,27 +80,34 @@ def check(name, layout, n, heads=8, kv_heads=2, backend=None, method="ring", uly
     q, do = randn(1, heads, n, d, gen=gen), randn(1, heads, n, d, gen=gen)
     k, v = randn(1, kv_heads, n, d, gen=gen), randn(1, kv_heads, n, d, gen=gen)
     inputs = verify.make_inputs(kern.spec, 1, heads, n, n, "cuda", torch.Generator().manual_seed(1))
+    trained = [nm for nm, t in inputs.items() if t.is_floating_point()]  # summed over the ranks: the same on each
+    for nm in trained:
+        inputs[nm].requires_grad_()
     leaves = [cp.shard(t, layout).requires_grad_() for t in (q, k, v)]
     o = cp.context_parallel(kern, *leaves, layout=layout, **how, **drop, **inputs)
     o.backward(cp.shard(do, layout))
-    got = [cp.unshard(t.detach(), layout) for t in (o, *(x.grad for x in leaves))]
+    got = [cp.unshard(t.detach(), layout) for t in (o, *(x.grad for x in leaves))] + [inputs[nm].grad for nm in trained]
+    for nm in trained:
+        inputs[nm] = inputs[nm].detach().requires_grad_()
     shards = shard_kernel(kern).generator
     row = {"spec": name, "backend": backend or "auto", "layout": layout, "method": method, "n": n,
            "nan": any(bool(torch.isnan(t).any()) for t in got), "shard_generators": [shards.generator, shards.backward]}
     if dist.get_rank() == 0:
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        one = kern(*full, **drop, **inputs)
+        full = [t.clone().requires_grad_() for t in (q, k, v)] + [inputs[nm] for nm in trained]
+        one = kern(*full[:3], **drop, **inputs)
         one_grads = torch.autograd.grad(one, full, do)
-        wide = [t.double().requires_grad_() for t in (q, k, v)]
-        ref = attngen.reference(kern, *wide, dtype=torch.float64, **ref_drop, **inputs)
+        wide = [t.double().requires_grad_() for t in (q, k, v)] + [inputs[nm].detach().double().requires_grad_() for nm in trained]
+        ref = attngen.reference(kern, *wide[:3], dtype=torch.float64, **ref_drop, **{**inputs, **dict(zip(trained, wide[3:]))})
         ref_grads = torch.autograd.grad(ref, wide, do.double())
         del wide
-        narrow = [t.clone().requires_grad_() for t in (q, k, v)]
-        naive = attngen.reference(kern, *narrow, dtype=torch.bfloat16, **ref_drop, **inputs)
+        narrow = [t.clone().requires_grad_() for t in (q, k, v)] + [inputs[nm].detach().clone().requires_grad_() for nm in trained]
+        naive = attngen.reference(kern, *narrow[:3], dtype=torch.bfloat16, **ref_drop, **{**inputs, **dict(zip(trained, narrow[3:]))})
         naive_grads = torch.autograd.grad(naive, narrow, do)
         ok = not row["nan"]
-        for what, g, og, rg, ng, factor, terms in zip(("o", "dq", "dk", "dv"), got, (one, *one_grads), (ref, *ref_grads),
-                                                       (naive, *naive_grads), (2, 3, 3, 3), (0.0, 1.0, 1.0, 1.0)):
+        names = ("o", "dq", "dk", "dv", *(f"d{nm}" for nm in trained))
+        factors, terms_of = (2, 3, 3, 3, *(3 for _ in trained)), (0.0, 1.0, 1.0, 1.0, *(float(n) for _ in trained))
+        for what, g, og, rg, ng, factor, terms in zip(names, got, (one, *one_grads), (ref, *ref_grads), (naive, *naive_grads), factors,
+                                                       terms_of):
             err, _, bound = _bound(g.float(), ng.detach().float(), rg.detach(), factor, terms)
             one_err, _, _ = _bound(og.detach().float(), ng.detach().float(), rg.detach(), factor, terms)
             row[what] = {"err": err, "bound": bound, "one_gpu_err": one_err}
@@ -259,15 +268,15 @@ def main():
                             "nccl": ".".join(map(str, torch.cuda.nccl.version()))}}
     if not args.no_check:
         results["check"] = []
-        cases = [(name, None) for name in ("causal", "sliding_window", "document", "alibi")]
+        cases = [(name, None) for name in ("causal", "sliding_window", "document", "alibi", "relative_bias")]
         cases += [(name, "gluon") for name in ("causal", "sliding_window", "alibi", "causal_dropout")]
         for name, backend in cases:
             for layout in ("contiguous", "zigzag"):
                 row = check(name, layout, 4096, backend=backend)
                 results["check"].append(row)
                 log("check", json.dumps(row))
-        for method in args.methods:  # the other methods: the specs they take (no dropout), zigzag
-            for name in ("causal", "sliding_window", "document", "alibi") if method != "ring" else ():
+        for method in args.methods:  # the other methods, zigzag
+            for name in ("causal", "sliding_window", "document", "alibi", "relative_bias", "causal_dropout") if method != "ring" else ():
                 row = check(name, "zigzag", 4096, method=method, ulysses_size=args.ulysses_size)
                 results["check"].append(row)
                 log("check", json.dumps(row))
