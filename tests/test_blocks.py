@@ -148,4 +148,4 @@ def test_a_static_pattern_runs_as_a_runtime_mask_of_its_blocks(device, target):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     _run(static, q, k, v)
-    assert len(static._patterns) == 1  # the same sizes: the lists made once
+    assert len(static.lists._patterns) == 1  # the same sizes: the lists made once

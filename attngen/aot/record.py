@@ -140,7 +140,7 @@ def record_launches(kernel_plan, module, arch: int) -> list[Launch]:
             # dropout on and off (evaluation); the seed is a tensor the kernels read
             for p, seed in ([(spec.dropout, 1), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
                 extra = kern._extra(*dropout_args(spec, p, seed, q.device), block_mask, Dims(*shape), q.device)
-                extra |= kern._pattern_blocks(Dims(*shape), q.device)  # a static block pattern's lists (KernelPlan.block_lists)
+                extra |= kern.lists.of_pattern(Dims(*shape), q.device)  # a static block pattern's lists (KernelPlan.block_lists)
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra)
                 for input_grads in ([False, True] if kernel_plan.read_grads or spec.sink is not None else [False]) if not fp8 else ():
                     grads = {"input_grads": True} if input_grads and kernel_plan.read_grads else {}
@@ -149,7 +149,7 @@ def record_launches(kernel_plan, module, arch: int) -> list[Launch]:
                     module.attention_backward(q, k, v, o, lse, torch.randn_like(o), None, *tensors, **grads, **extra)
         for q, k, v, varlen, tensors, dims in _packed_calls(spec) if takes_packed(spec) else ():
             for p, seed in ([(spec.dropout, 1), (0.0, 1)] if spec.dropout > 0.0 else [(None, None)]):
-                extra = kern._extra(*dropout_args(spec, p, seed, q.device), None, dims, q.device) | kern._pattern_blocks(dims, q.device)
+                extra = kern._extra(*dropout_args(spec, p, seed, q.device), None, dims, q.device) | kern.lists.of_pattern(dims, q.device)
                 o, lse = module.attention_forward(q, k, v, *tensors, **extra, varlen=varlen)
                 for sink_grads in ([None, torch.empty(lse.shape, device=lse.device, dtype=torch.float32)] if spec.sink is not None else [None]):
                     grads = {} if sink_grads is None else {"sink_grads": sink_grads}  # with a sink: its gradients' pre-pass too

@@ -10,6 +10,7 @@ blocks) and the dK/dV kernel (rows of key blocks) walk, so they visit only kept 
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -97,3 +98,40 @@ def _lists(block_mask: torch.Tensor) -> torch.Tensor:
 def expand(block_mask: torch.Tensor, sparse_block: int, q_len: int, kv_len: int) -> torch.Tensor:
     """The element mask (B or 1, H or 1, q_len, kv_len) of a block mask (for the reference)."""
     return block_mask.repeat_interleave(sparse_block, -2)[..., :q_len, :].repeat_interleave(sparse_block, -1)[..., :kv_len]
+
+
+class KeptLists:
+    """A kernel's block lists as its Triton launchers take them (blocks=), kept between calls: a runtime block mask's
+    (the last mask's, reused by a call with the same tensor object, unmodified since (its version counter), and the
+    same shapes, instead of converting again: 0.15-0.34 ms at N = 8192 on the H100), and a static pattern's
+    (KernelPlan.block_lists: made once per call sizes and device, pattern_lists)."""
+
+    def __init__(self, spec, pattern: bool):
+        self.spec, self.pattern = spec, pattern
+        self._last = None  # (weakref to a block mask, its version, call shapes, its lists)
+        self._patterns: dict[tuple, tuple] = {}  # call sizes and device -> a static pattern's lists
+
+    def of_mask(self, block_mask, dims, device: torch.device) -> dict:
+        """The blocks= keyword for a runtime block mask ({} for a spec without runtime sparsity); dims: the call's."""
+        spec = self.spec
+        if spec.sparsity != "runtime":
+            return {}
+        shapes = (dims.batch, dims.heads, dims.q_len, dims.kv_len, device)
+        last = self._last
+        if last is not None and last[0]() is block_mask and last[1] == block_mask._version and last[2] == shapes:
+            return {"blocks": last[3]}
+        lists = block_lists(block_mask, spec.sparse_block, dims.batch, dims.heads, dims.q_len, dims.kv_len, device)
+        self._last = (weakref.ref(block_mask), block_mask._version, shapes, lists)
+        return {"blocks": lists}
+
+    def of_pattern(self, dims, device: torch.device) -> dict:
+        """The blocks= keyword where the Triton kernels walk a static pattern's lists ({} otherwise)."""
+        if not self.pattern:
+            return {}
+        key = (dims.batch, dims.heads, dims.q_len, dims.kv_len, device)
+        lists = self._patterns.get(key)
+        if lists is None:
+            if len(self._patterns) >= 64:  # many shapes: start again
+                self._patterns.clear()
+            lists = self._patterns[key] = pattern_lists(self.spec, *key)
+        return {"blocks": lists}

@@ -10,7 +10,6 @@ in Triton's interpreter, a bf16 spec through its float32 twin).
 from __future__ import annotations
 
 import inspect
-import weakref
 from pathlib import Path
 from types import ModuleType
 
@@ -24,7 +23,7 @@ from ..plan.planner import KernelPlan
 from ..plan.tune import Tuner
 from ..plan.tune import bucket as tune_bucket
 from .autograd import CompiledAttention, Ops, as_input_grads, attention_node
-from .blocks import block_lists, pattern_lists
+from .blocks import KeptLists
 from .checks import Dims, check_all, check_block_mask, check_call, dims_of, direct_indices, dropout_args
 from .dtypes import TORCH_DTYPES
 from .evaluate import sink_rows
@@ -139,8 +138,7 @@ class Kernel:
         self._serving_calls: dict[tuple, object] | None = (
             {} if spec.dropout == 0.0 and spec.sparsity != "runtime" and spec.kv_dtype is None and spec.dtype is not DType.FP8 else None)
         self._decode_shapes: dict[Dims, object] = {}  # plan.decode.decode_shape of each call's sizes: serving.decode_impl
-        self._last_blocks = None  # (weakref to a block mask, its version, call shapes, its lists): see _blocks
-        self._patterns: dict[tuple, tuple] = {}  # a static block pattern's lists by call sizes and device: _pattern_blocks
+        self.lists = KeptLists(spec, kernel_plan.block_lists)  # block lists, a runtime mask's or a static pattern's, kept between calls
         self._cpu_twin: Kernel | None = None  # a bf16 spec's float32 kernels for the CPU interpreter: see _twin
         self._shard_twin: Kernel | None = None  # the kernels of a context-parallel shard: shard.shard_kernel
         # The torch.library ops of compiled calls (about 2 ms to register; torch.compile cannot trace a registration)
@@ -331,7 +329,7 @@ class Kernel:
         if varlen is None:
             return self._triton_forward(dims, extra, q, k, v, inputs)
         with interpreted_if_cpu(q.device):
-            return self.module.attention_forward(q, k, v, *inputs, **extra, **self._pattern_blocks(dims, device), varlen=varlen)
+            return self.module.attention_forward(q, k, v, *inputs, **extra, **self.lists.of_pattern(dims, device), varlen=varlen)
 
     def _op_forward(self, q, k, v, inputs: list):
         """The forward of a plain call in torch.compile's operator (autograd.Ops; the call was checked when it was
@@ -442,7 +440,7 @@ class Kernel:
             extra["sink_grads"] = torch.empty(lse.shape, device=device, dtype=torch.float32)
         if varlen is not None:  # packed sequences: the Triton generator's kernels (input gradients a sink's only: the call checks)
             with interpreted_if_cpu(q.device):
-                dq, dk, dv = self.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **extra, **self._pattern_blocks(dims, device),
+                dq, dk, dv = self.module.attention_backward(q, k, v, o, lse, do, dlse, *inputs, **extra, **self.lists.of_pattern(dims, device),
                                                             varlen=varlen)
             if not input_grads:
                 return dq, dk, dv, [t.new_empty(0) for t in floats]
@@ -476,7 +474,7 @@ class Kernel:
         """launcher(*args, **extra): a launcher of this kernel's Triton module for `phase` ("fwd" or "bwd"), with the
         tuned tiles where the spec tunes (_tiles), under loader.interpreted() for CPU tensors (args[0])."""
         device = args[0].device
-        extra = extra | self._pattern_blocks(dims, device)
+        extra = extra | self.lists.of_pattern(dims, device)
         with interpreted_if_cpu(device):  # the tuner's runs too
             extra = extra | self._tiles(phase, dims, flags, device, lambda t: launcher(*args, **extra, tiles=t))
             return launcher(*args, **extra)
@@ -508,36 +506,7 @@ class Kernel:
     def _extra(self, dropout_p: float, seed: torch.Tensor | None, block_mask, dims: Dims, device: torch.device) -> dict:
         """The launchers' keyword arguments for dropout (dropout_p, seed) and runtime sparsity (blocks)."""
         extra = {} if seed is None else {"dropout_p": dropout_p, "seed": seed}
-        return extra | self._blocks(block_mask, dims, device)
-
-    def _blocks(self, block_mask, dims: Dims, device: torch.device) -> dict:
-        """The block lists keyword of the generated launchers ({} for a spec without runtime sparsity)."""
-        spec = self.spec
-        if spec.sparsity != "runtime":
-            return {}
-        # The lists of the last mask are kept: a call with the same tensor object, unmodified since (its version
-        # counter), and the same shapes reuses them instead of converting again (0.15-0.34 ms at N = 8192 on the H100).
-        shapes = (dims.batch, dims.heads, dims.q_len, dims.kv_len, device)
-        last = self._last_blocks
-        if last is not None and last[0]() is block_mask and last[1] == block_mask._version and last[2] == shapes:
-            return {"blocks": last[3]}
-        lists = block_lists(block_mask, spec.sparse_block, dims.batch, dims.heads, dims.q_len, dims.kv_len, device)
-        self._last_blocks = (weakref.ref(block_mask), block_mask._version, shapes, lists)
-        return {"blocks": lists}
-
-    def _pattern_blocks(self, dims: Dims, device: torch.device) -> dict:
-        """The Triton launchers' blocks= keyword where they walk a static block pattern's lists (KernelPlan.block_lists),
-        made once per call sizes and device (blocks.pattern_lists: the pattern at every pair of blocks, on the
-        device); {} for other specs."""
-        if not self.plan.block_lists:
-            return {}
-        key = (dims.batch, dims.heads, dims.q_len, dims.kv_len, device)
-        lists = self._patterns.get(key)
-        if lists is None:
-            if len(self._patterns) >= 64:  # many shapes: start again
-                self._patterns.clear()
-            lists = self._patterns[key] = pattern_lists(self.spec, *key)
-        return {"blocks": lists}
+        return extra | self.lists.of_mask(block_mask, dims, device)
 
     def _tiles(self, phase: str, dims: Dims, flags: tuple[str, ...], device: torch.device, run) -> dict:
         """The launchers' tiles= keyword for this call: {} (the plan's tiles) unless the spec tunes (then from the
