@@ -270,6 +270,21 @@ def test_every_shipped_spec_decodes_over_a_cache(name, target, device):
     _check_reference(kern, out, lse, q, k, v, **serving, **inputs)
 
 
+def test_a_block_pattern_decodes_with_its_pattern(target, device):
+    """A block pattern whose training kernels walk lists of its kept blocks (KernelPlan.block_lists): the decode
+    kernels, which walk none, still apply it, in every tile (blocks of 16, a pattern that differs by head, causal
+    for the new tokens), against the reference."""
+    spec = _spec(f"{BOTTOM_RIGHT}\n sparsity = ((q_blk ^ kv_blk) & ((q_blk ^ kv_blk) - 1)) == 0 or (h == 1 and kv_blk == 0)\n"
+                 f" sparse_block = 16")
+    kern = attngen.compile(spec, target)
+    assert kern.plan.block_lists
+    lens = [CAPACITY, 129, 65]
+    q, k, v = _tensors(spec, device, lens, 3, hq=4)
+    with torch.no_grad():
+        out, lse = kern(q, k, v, return_lse=True, kv_lens=_lens(lens, device))
+    _check_reference(kern, out, lse, q, k, v, kv_lens=_lens(lens, device))
+
+
 def test_a_decode_step_appends_then_attends(device):
     """kvcache.append writes each sequence's new keys at its own position (contiguous and paged caches), returns
     the new lengths, and the next call sees them."""
